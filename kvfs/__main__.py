@@ -1,0 +1,5 @@
+import sys
+
+from kvfs.cli.main import main
+
+sys.exit(main())

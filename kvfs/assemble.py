@@ -1,0 +1,93 @@
+"""Wiring: build the metadata store, tiers, policies and FUSE operations for one mount, and
+run the daemon's trio tasks. Owning the object graph in one place keeps every other module
+free of construction details."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import pyfuse3
+import trio
+
+from kvfs.config import ConfigError, Settings
+from kvfs.control import Control
+from kvfs.fs import Operations
+from kvfs.namespace import Namespace
+from kvfs.store.chunkstore import ChunkStore
+from kvfs.store.codec import Codec, CodecPolicy
+from kvfs.store.meta import MetaStore
+from kvfs.tiering import Demoter, DramPolicy, FileEvictor
+
+log = logging.getLogger(__name__)
+
+# Dirty DRAM data older than this is written back to NVMe in the background, so that a
+# reboot loses at most this much unsynced work (like the kernel's dirty_expire).
+WRITEBACK_AGE_S = 30.0
+
+
+class Assembly:
+    def __init__(self, s: Settings) -> None:
+        self.settings = s
+        self.meta = MetaStore(os.path.join(s.nvme_dir, "meta"))
+        sb = self.meta.load_superblock()
+        if sb is None:
+            sb = self.meta.create_superblock(s.chunk_size, s.segment_size)
+            log.info("created a new kvfs in %s (uuid %s)", s.nvme_dir, sb["uuid"])
+        elif sb["chunk_size"] != s.chunk_size and s.extra.get("chunk_size_given"):
+            raise ConfigError(f"{s.nvme_dir} was made with chunk_size {sb['chunk_size']}; "
+                              f"it cannot change to {s.chunk_size}")
+        self.policy = DramPolicy()
+        self.store = ChunkStore(
+            self.meta, sb["uuid"], chunk_size=sb["chunk_size"], dram_dir=s.dram_dir,
+            dram_size=s.dram_size, nvme_dir=s.nvme_dir, nvme_size=s.nvme_size,
+            segment_size=sb["segment_size"], codec=Codec(CodecPolicy(enabled=s.compress)),
+            io_threads=s.io_threads, policy=self.policy)
+        self.ns = Namespace(self.meta)
+        self.evictor = None
+        extra = []
+        self.control = Control(self.ns, self.store, s, extra)
+        self.ops = Operations(self.ns, self.store, self.control, cache_mode=s.cache_mode)
+        if s.cache_mode:
+            self.evictor = FileEvictor(self.ops.remove_file, self.store.file_bytes)
+            self.ops.evictor = self.evictor
+            files = sorted((i for i in self.ns.inodes.values() if i.is_reg and i.nlink),
+                           key=lambda i: i.mtime_ns)
+            for inode in files:
+                self.evictor.touch(inode.ino)
+            extra.append(lambda: {"evictions": {"files": self.evictor.evicted_files,
+                                                "bytes": self.evictor.evicted_bytes}})
+        self.store.codec_hint = self._dtype_hint
+        self.demoter = Demoter(self.store, high=s.dram_high_watermark, low=s.dram_low_watermark,
+                               writeback_age=WRITEBACK_AGE_S)
+        self.store.kick_demoter = self.demoter.kick
+        # Files unlinked while open when the daemon last stopped: nobody can reach them now.
+        for inode in self.ns.orphans():
+            self.store.delete_file(inode.ino, inode.size)
+            self.ns.forget_inode(inode)
+
+    def _dtype_hint(self, ino: int) -> str | None:
+        value = self.ns.getxattr(ino, b"user.kvfs.dtype")
+        return value.decode(errors="replace") if value else None
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.demoter.run)
+            nursery.start_soon(self._signals)
+            # Enough request tasks that a slow NVMe read never holds up a DRAM hit.
+            await pyfuse3.main(min_tasks=8, max_tasks=64)
+            log.info("unmounting: writing dirty chunks back to NVMe")
+            await self.store.writeback_all()
+            nursery.cancel_scope.cancel()
+
+    async def _signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            async for sig in sigs:
+                log.info("signal %d: unmounting %s", sig, self.settings.mountpoint)
+                pyfuse3.terminate()
+                return
+
+    def close(self) -> None:
+        self.store.close()
+        self.meta.close()

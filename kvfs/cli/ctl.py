@@ -1,0 +1,107 @@
+"""`kvfsctl`: ask a mounted kvfs how it is doing.
+
+    kvfsctl status MOUNTPOINT [--json]     tiers, capacities, chunk counts, hit counters
+    kvfsctl where PATH [--json]            which tier holds each chunk of a file
+
+It talks to the daemon through virtual xattrs on the mount (see kvfs/control.py), so it works
+wherever the mount is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import sys
+
+from kvfs.config import format_size
+
+
+def get_status(mountpoint: str) -> dict:
+    return json.loads(_getxattr(mountpoint, "user.kvfs.status"))
+
+
+def get_where(path: str) -> dict:
+    out = json.loads(_getxattr(path, "user.kvfs.where"))
+    while out["next"] is not None:
+        page = json.loads(_getxattr(path, f"user.kvfs.where.{out['next']}"))
+        out["chunks"].extend(page["chunks"])
+        out["next"] = page["next"]
+    return out
+
+
+def _getxattr(path: str, name: str) -> bytes:
+    import os
+
+    try:
+        return os.getxattr(path, name)
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise SystemExit(f"kvfsctl: {path} is not on a kvfs mount") from None
+        raise SystemExit(f"kvfsctl: {path}: {exc.strerror}") from None
+
+
+def _ratio(a: int, b: int) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+def print_status(st: dict) -> None:
+    print(f"{'tier':6} {'capacity':>12} {'used':>12} {'logical':>12} {'chunks':>10} "
+          f"{'compression':>11}")
+    for name, t in st["tiers"].items():
+        print(f"{name:6} {format_size(t['capacity_bytes']):>12} {format_size(t['used_bytes']):>12}"
+              f" {format_size(t['logical_bytes']):>12} {t['chunks']:>10} "
+              f"{_ratio(t['logical_bytes'], t['used_bytes']):>11}")
+    r = st["reads"]
+    total = r["chunks_from_dram"] + r["chunks_from_nvme"]
+    hit = f"{100 * r['chunks_from_dram'] / total:.1f}%" if total else "-"
+    print(f"reads: {r['chunks_from_dram']} chunks from DRAM, {r['chunks_from_nvme']} from NVMe "
+          f"(DRAM hit rate {hit}), {r['checksum_errors']} checksum errors")
+    pf = st.get("prefetch")
+    if pf:
+        used, issued = pf.get("used_chunks", 0), pf.get("issued_chunks", 0)
+        print(f"prefetch: {issued} issued, {used} used, {pf.get('late_chunks', 0)} late, "
+              f"{pf.get('wasted_chunks', 0)} wasted (accuracy "
+              f"{f'{100 * used / issued:.1f}%' if issued else '-'})")
+    m = st["moves"]
+    print(f"moves: {m['demotions']} demotions, {m['writebacks']} writebacks, "
+          f"{m['promotions']} promotions")
+    g = st["gc"]
+    print(f"nvme writes: user {format_size(g['user_bytes_written'])}, gc "
+          f"{format_size(g['gc_bytes_written'])}, write amplification {g['write_amplification']}")
+    if "evictions" in st:
+        e = st["evictions"]
+        print(f"cache-mode evictions: {e['files']} files, {format_size(e['bytes'])}")
+    print(f"files: {st['files']}, uptime {st['uptime_s']}s")
+
+
+def print_where(w: dict) -> None:
+    print(f"inode {w['ino']}, {w['size']} bytes, chunk size {format_size(w['chunk_size'])}")
+    for c in w["chunks"]:
+        flags = " dirty" if c["dirty"] else ""
+        flags += " LOST" if c["lost"] else ""
+        print(f"  chunk {c['chunk']:>8}: {'+'.join(c['tiers']) or '-':10} "
+              f"{c['raw_len']:>9} bytes, stored {c['stored_len']:>9}{flags}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvfsctl", description="inspect a mounted kvfs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("status", help="per-tier capacity, use, chunk counts and hit counters")
+    p.add_argument("mountpoint")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p = sub.add_parser("where", help="the tier(s) of each chunk of a file")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    if args.command == "status":
+        st = get_status(args.mountpoint)
+        print(json.dumps(st, indent=1)) if args.json else print_status(st)
+    elif args.command == "where":
+        w = get_where(args.path)
+        print(json.dumps(w, indent=1)) if args.json else print_where(w)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

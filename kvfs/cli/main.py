@@ -1,0 +1,129 @@
+"""`kvfs`: mount and unmount.
+
+    kvfs mount MOUNTPOINT [--dram-dir DIR] [--dram-size SIZE] [--nvme-dir DIR]
+               [--nvme-size SIZE] [--chunk-size SIZE] [--cache-mode] [--foreground] [-o OPTS]
+    kvfs umount MOUNTPOINT
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+from kvfs import __version__
+from kvfs.config import DEFAULT_DRAM_DIR, DEFAULT_NVME_DIR, ConfigError, Settings, apply_options
+
+
+def add_mount_arguments(p: argparse.ArgumentParser) -> None:
+    d = Settings()
+    p.add_argument("mountpoint", help="existing empty directory to mount kvfs on")
+    p.add_argument("--dram-dir", default=DEFAULT_DRAM_DIR, metavar="DIR",
+                   help="tmpfs directory for the DRAM tier arena (default %(default)s); it "
+                        "outlives the daemon, so a crash loses no data")
+    p.add_argument("--dram-size", default=d.dram_size, metavar="SIZE",
+                   help="DRAM tier capacity: 64M, 8G or a percentage of available RAM "
+                        "(default %(default)s)")
+    p.add_argument("--nvme-dir", default=DEFAULT_NVME_DIR, metavar="DIR",
+                   help="directory on the NVMe filesystem for segments and metadata "
+                        "(default %(default)s)")
+    p.add_argument("--nvme-size", default=d.nvme_size, metavar="SIZE",
+                   help="NVMe tier capacity: 100G or a percentage of the free space of "
+                        "--nvme-dir (default %(default)s)")
+    p.add_argument("--chunk-size", default=None, metavar="SIZE",
+                   help="unit of placement, checksumming and prefetch, a power of two from 4K "
+                        "to 64M (default 1M); fixed when the filesystem is first created")
+    p.add_argument("--segment-size", default=d.segment_size, metavar="SIZE",
+                   help="NVMe segment file size, the unit of space reclamation "
+                        "(default %(default)s)")
+    p.add_argument("--cache-mode", action="store_true",
+                   help="when full, evict whole least-recently-used files instead of failing "
+                        "writes with ENOSPC")
+    p.add_argument("--no-compress", dest="compress", action="store_false",
+                   help="store chunks uncompressed on the NVMe tier")
+    p.add_argument("--foreground", "-f", action="store_true",
+                   help="stay in the foreground and log to stderr (default: return once the "
+                        "mount is ready and log to NVME_DIR/kvfs.log)")
+    p.add_argument("--debug", action="store_true", help="verbose logging")
+    p.add_argument("--log-file", default=None, metavar="PATH", help="log to this file")
+    p.add_argument("-o", dest="options", default="", metavar="OPTS",
+                   help="comma-separated key=value options, as in fstab: dram_dir=, "
+                        "dram_size=, nvme_dir=, nvme_size=, chunk_size=, segment_size=, "
+                        "cache_mode, nocompress, dram_high_watermark=, dram_low_watermark=, "
+                        "io_threads=, readahead_chunks=")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    s = Settings(mountpoint=os.path.abspath(args.mountpoint), dram_dir=args.dram_dir,
+                 dram_size=args.dram_size, nvme_dir=args.nvme_dir, nvme_size=args.nvme_size,
+                 segment_size=args.segment_size, cache_mode=args.cache_mode,
+                 compress=args.compress, foreground=args.foreground, debug=args.debug,
+                 log_file=args.log_file)
+    if args.chunk_size is not None:
+        s.chunk_size = args.chunk_size
+        s.extra["chunk_size_given"] = "1"
+    apply_options(s, args.options)
+    if "chunk_size=" in args.options:
+        s.extra["chunk_size_given"] = "1"
+    return s
+
+
+def umount(mountpoint: str, timeout: float = 120.0) -> int:
+    """Unmount and wait until the daemon has written back and exited."""
+    mp = os.path.abspath(mountpoint)
+    pid = _daemon_pid(mp)
+    r = subprocess.run(["fusermount3", "-u", mp], capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.stderr.write(f"kvfs: {r.stderr.strip() or 'fusermount3 failed'}\n")
+        return 1
+    deadline = time.monotonic() + timeout
+    while pid and time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return 0
+        time.sleep(0.05)
+    if pid:
+        sys.stderr.write(f"kvfs: daemon {pid} still running after {timeout:.0f}s\n")
+        return 1
+    return 0
+
+
+def _daemon_pid(mp: str) -> int | None:
+    """The pid of the daemon serving *mp*, from the lock file in its NVMe directory."""
+    try:
+        import json
+
+        raw = os.getxattr(mp, "user.kvfs.status")
+        nvme_dir = json.loads(raw)["settings"]["nvme_dir"]
+        with open(os.path.join(nvme_dir, "lock")) as f:
+            return int(f.read().strip() or 0) or None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvfs", description="kvfs: a tiered filesystem for "
+                                     "LLM KV-cache blocks (DRAM tmpfs + NVMe log)")
+    parser.add_argument("--version", action="version", version=f"kvfs {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_mount_arguments(sub.add_parser("mount", help="mount kvfs on a directory"))
+    p = sub.add_parser("umount", help="unmount and wait for the daemon to finish")
+    p.add_argument("mountpoint")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait")
+    args = parser.parse_args(argv)
+    if args.command == "umount":
+        return umount(args.mountpoint, args.timeout)
+    from kvfs.daemon import MountError, mount
+
+    try:
+        return mount(settings_from_args(args))
+    except (ConfigError, MountError) as exc:
+        sys.stderr.write(f"kvfs: {exc}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

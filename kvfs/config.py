@@ -1,0 +1,177 @@
+"""Mount settings: one dataclass, size parsing, and `-o key=val` option handling.
+
+Every setting has a default that works on a fresh machine; sizes accept `64M`, `8G`, `25%`
+(percent of the free space of the directory the tier lives in, or of RAM for the DRAM tier).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+
+DEFAULT_DRAM_DIR = "/dev/shm/kvfs"
+DEFAULT_NVME_DIR = "/var/lib/kvfs"
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
+_PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+class ConfigError(ValueError):
+    """A setting has a value kvfs cannot use; the message says which and why."""
+
+
+def parse_size(text: str | int, *, base: int | None = None, what: str = "size") -> int:
+    """Parse `123`, `64K`, `64M`, `8G`, `1.5T` or `25%` (of *base*) into bytes."""
+    if isinstance(text, int):
+        return text
+    m = _PERCENT_RE.match(text)
+    if m:
+        if base is None:
+            raise ConfigError(f"{what}: a percentage is not allowed here: {text!r}")
+        pct = float(m.group(1))
+        if not 0 < pct <= 100:
+            raise ConfigError(f"{what}: percentage must be in (0, 100]: {text!r}")
+        return int(base * pct / 100)
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ConfigError(f"{what}: not a size: {text!r} (use e.g. 64M, 8G or 25%)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _free_bytes(path: str) -> int:
+    """Free space of the filesystem that holds *path* (or its nearest existing parent)."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    st = os.statvfs(path or "/")
+    return st.f_bavail * st.f_frsize
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class Settings:
+    """All knobs of one mount. String sizes are resolved by `resolve()`."""
+
+    mountpoint: str = ""
+    # DRAM tier: an arena of sparse files on tmpfs; it outlives the daemon, so a crash loses nothing.
+    dram_dir: str = DEFAULT_DRAM_DIR
+    # 25% of available RAM: enough to hold the hot set without starving the inference engine.
+    dram_size: str | int = "25%"
+    # NVMe tier and metadata. 50% of the free disk leaves room for everything else on the machine.
+    nvme_dir: str = DEFAULT_NVME_DIR
+    nvme_size: str | int = "50%"
+    # Unit of placement, checksumming, compression and prefetch; fixed when the filesystem is made.
+    chunk_size: str | int = "1M"
+    # Segment = unit of NVMe space reclamation (like an FDP reclaim unit).
+    segment_size: str | int = "64M"
+    # Cache mode: when full, evict whole least-recently-used files instead of answering ENOSPC.
+    cache_mode: bool = False
+    foreground: bool = False
+    debug: bool = False
+    allow_other: bool = True
+    # Demotion starts above the high watermark and stops below the low one (fractions of dram_size).
+    dram_high_watermark: float = 0.90
+    dram_low_watermark: float = 0.75
+    # Compression on the NVMe tier (issue 4 adds DRAM-side compression as an option).
+    compress: bool = True
+    # Worker threads for disk I/O, checksums and compression.
+    io_threads: int = 8
+    # Prefetch: chunks staged ahead of the reader (whole-file readahead on open).
+    readahead_chunks: int = 16
+    log_file: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def resolve(self) -> Settings:
+        """Return a copy with every size in bytes, checked for sanity."""
+        s = dataclasses.replace(self)
+        s.chunk_size = parse_size(self.chunk_size, what="chunk_size")
+        if s.chunk_size < 4096 or s.chunk_size > (64 << 20) or s.chunk_size & (s.chunk_size - 1):
+            raise ConfigError(
+                f"chunk_size must be a power of two between 4K and 64M, not {self.chunk_size}"
+            )
+        s.segment_size = parse_size(self.segment_size, what="segment_size")
+        if s.segment_size < 2 * s.chunk_size + 8192:
+            raise ConfigError(
+                f"segment_size ({format_size(s.segment_size)}) must hold at least two chunks"
+            )
+        s.dram_size = parse_size(self.dram_size, base=_mem_available(), what="dram_size")
+        s.nvme_size = parse_size(self.nvme_size, base=_free_bytes(self.nvme_dir), what="nvme_size")
+        if s.dram_size < 4 * s.chunk_size:
+            raise ConfigError(f"dram_size must hold at least 4 chunks, not {self.dram_size}")
+        if s.nvme_size < 4 * s.segment_size:
+            raise ConfigError(
+                f"nvme_size ({format_size(s.nvme_size)}) must hold at least 4 segments of "
+                f"{format_size(s.segment_size)}"
+            )
+        if not 0 < s.dram_low_watermark < s.dram_high_watermark <= 1:
+            raise ConfigError("need 0 < dram_low_watermark < dram_high_watermark <= 1")
+        if s.io_threads < 1:
+            raise ConfigError("io_threads must be >= 1")
+        s.dram_dir = os.path.abspath(self.dram_dir)
+        s.nvme_dir = os.path.abspath(self.nvme_dir)
+        return s
+
+
+_BOOL_OPTIONS = {"cache_mode", "foreground", "debug", "allow_other", "compress"}
+_FLOAT_OPTIONS = {"dram_high_watermark", "dram_low_watermark"}
+_INT_OPTIONS = {"io_threads", "readahead_chunks"}
+# Generic mount options that mount(8) passes along and kvfs has nothing to do with.
+IGNORED_MOUNT_OPTIONS = {"rw", "defaults", "auto", "noauto", "user", "nouser", "nofail", "_netdev",
+                         "dev", "nodev", "suid", "nosuid", "exec", "noexec", "atime", "noatime",
+                         "relatime", "x-systemd.automount"}
+
+
+def apply_options(settings: Settings, options: str) -> None:
+    """Apply a mount(8)-style `key=val,flag,...` string to *settings*."""
+    names = {f.name for f in dataclasses.fields(Settings)} - {"mountpoint", "extra"}
+    for item in filter(None, (o.strip() for o in options.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.replace("-", "_")
+        if key in IGNORED_MOUNT_OPTIONS or key.startswith("x-"):
+            continue
+        if key.startswith("no") and key[2:] in _BOOL_OPTIONS and not sep:
+            setattr(settings, key[2:], False)
+            continue
+        if key not in names:
+            raise ConfigError(f"unknown option {key!r}")
+        if key in _BOOL_OPTIONS:
+            setattr(settings, key, _parse_bool(key, value) if sep else True)
+        elif not sep:
+            raise ConfigError(f"option {key!r} needs a value ({key}=...)")
+        elif key in _FLOAT_OPTIONS:
+            try:
+                setattr(settings, key, float(value))
+            except ValueError:
+                raise ConfigError(f"option {key}: not a number: {value!r}") from None
+        elif key in _INT_OPTIONS:
+            try:
+                setattr(settings, key, int(value))
+            except ValueError:
+                raise ConfigError(f"option {key}: not an integer: {value!r}") from None
+        else:
+            setattr(settings, key, value)
+
+
+def _parse_bool(key: str, value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"option {key}: not a boolean: {value!r}")

@@ -1,0 +1,72 @@
+"""Control plane: the `user.kvfs.*` virtual xattrs that kvfsctl reads and writes.
+
+Talking to the daemon through the mount itself (as S3QL does) works wherever the mount is
+visible, containers included, and needs no socket or port. Names:
+
+    user.kvfs.status          (get, any inode) one JSON object: tiers, reads, moves, gc, ...
+    user.kvfs.where[.START]   (get, a file) JSON: tiers of the file's chunks from START, a page
+                              at a time ({"chunks": [...], "next": N or null})
+
+Other `user.kvfs.*` names (e.g. user.kvfs.dtype) are ordinary stored xattrs that act as hints.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import time
+
+from kvfs.namespace import NamespaceError
+
+WHERE_PAGE = 256  # chunks per answer: keeps the JSON under the 64 KiB xattr limit
+VIRTUAL = (b"user.kvfs.status", b"user.kvfs.where")
+
+
+class Control:
+    def __init__(self, ns, store, settings, extra_stats=()) -> None:
+        self.ns = ns
+        self.store = store
+        self.settings = settings
+        self.extra_stats = list(extra_stats)  # callables returning {section: {...}}
+        self.started = time.time()
+
+    @staticmethod
+    def handles(name: bytes) -> bool:
+        return any(name == v or name.startswith(v + b".") for v in VIRTUAL)
+
+    def get(self, ino: int, name: bytes) -> bytes:
+        if name == b"status":
+            return json.dumps(self.status(), separators=(",", ":")).encode()
+        if name == b"where" or name.startswith(b"where."):
+            start = 0
+            if name != b"where":
+                try:
+                    start = int(name[len(b"where."):])
+                except ValueError:
+                    raise NamespaceError(errno.ENODATA) from None
+            return json.dumps(self.where(ino, start), separators=(",", ":")).encode()
+        raise NamespaceError(errno.ENODATA)
+
+    def set(self, ino: int, name: bytes, value: bytes) -> None:
+        raise NamespaceError(errno.EPERM)  # status and where are read-only
+
+    def status(self) -> dict:
+        out = self.store.stats()
+        out["uptime_s"] = round(time.time() - self.started, 1)
+        out["files"] = sum(1 for i in self.ns.inodes.values() if i.is_reg and i.nlink)
+        out["settings"] = {"chunk_size": self.store.cs, "cache_mode": self.settings.cache_mode,
+                           "dram_dir": self.settings.dram_dir,
+                           "nvme_dir": self.settings.nvme_dir}
+        for fn in self.extra_stats:
+            for section, values in fn().items():
+                out.setdefault(section, {}).update(values)
+        return out
+
+    def where(self, ino: int, start: int) -> dict:
+        inode = self.ns.get(ino)
+        if not inode.is_reg:
+            raise NamespaceError(errno.EISDIR if inode.is_dir else errno.EINVAL)
+        chunks = [c for c in self.store.where(ino, inode.size) if c["chunk"] >= start]
+        page, rest = chunks[:WHERE_PAGE], chunks[WHERE_PAGE:]
+        return {"ino": ino, "size": inode.size, "chunk_size": self.store.cs, "chunks": page,
+                "next": rest[0]["chunk"] if rest else None}

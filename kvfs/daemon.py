@@ -1,0 +1,215 @@
+"""The kvfs daemon: check the settings, open the tiers, mount, serve, and shut down cleanly.
+
+Order matters: every check that can fail on user input runs before anything is created or
+mounted, so a bad option leaves no trace. In the background mode the parent process waits on
+a pipe until the child has mounted (or failed) and exits with the child's verdict.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import socket
+import sys
+
+import trio
+
+from kvfs.config import ConfigError, Settings, format_size
+from kvfs.store.dram import is_tmpfs
+
+log = logging.getLogger(__name__)
+
+
+class MountError(Exception):
+    """The filesystem cannot be mounted; the message says why, for the operator."""
+
+
+def check(settings: Settings) -> Settings:
+    """Validate everything that can be validated without side effects; returns resolved
+    settings or raises ConfigError / MountError with one clear message."""
+    s = settings.resolve()
+    mp = s.mountpoint
+    if not mp:
+        raise MountError("no mountpoint given")
+    if not os.path.exists(mp):
+        raise MountError(f"mountpoint {mp} does not exist")
+    if not os.path.isdir(mp):
+        raise MountError(f"mountpoint {mp} is not a directory")
+    if os.path.ismount(mp) and _is_fuse_mount(mp):
+        raise MountError(f"{mp} is already a FUSE mount (unmount it first)")
+    if not os.path.exists("/dev/fuse"):
+        raise MountError("/dev/fuse is missing: load the fuse module (modprobe fuse) or run "
+                         "the container with --device /dev/fuse")
+    try:
+        fd = os.open("/dev/fuse", os.O_RDWR)
+        os.close(fd)
+    except OSError as exc:
+        raise MountError(f"/dev/fuse cannot be opened: {exc.strerror}") from None
+    probe = s.dram_dir
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not is_tmpfs(probe):
+        raise MountError(f"DRAM directory {s.dram_dir} is not on tmpfs (choose one under "
+                         "/dev/shm or mount a tmpfs there)")
+    if os.path.exists(s.dram_dir) and not os.path.isdir(s.dram_dir):
+        raise MountError(f"DRAM directory {s.dram_dir} is not a directory")
+    if os.path.exists(s.nvme_dir) and not os.path.isdir(s.nvme_dir):
+        raise MountError(f"NVMe directory {s.nvme_dir} is not a directory")
+    if _inside(s.nvme_dir, mp) or _inside(s.dram_dir, mp):
+        raise MountError("the tier directories must not be inside the mountpoint")
+    shm = os.statvfs(probe)
+    if s.dram_size > shm.f_blocks * shm.f_frsize:
+        raise ConfigError(f"dram_size {format_size(s.dram_size)} is larger than the tmpfs at "
+                          f"{probe} ({format_size(shm.f_blocks * shm.f_frsize)})")
+    return s
+
+
+def _inside(path: str, root: str) -> bool:
+    path, root = os.path.realpath(path), os.path.realpath(root)
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _is_fuse_mount(mp: str) -> bool:
+    real = os.path.realpath(mp)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            if parts[4] == real:
+                fstype = parts[parts.index("-") + 1]
+                if fstype.startswith("fuse"):
+                    return True
+    return False
+
+
+def _setup_logging(s: Settings, background: bool) -> None:
+    level = logging.DEBUG if s.debug else logging.INFO
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    handlers: list[logging.Handler] = []
+    if s.log_file or background:
+        path = s.log_file or os.path.join(s.nvme_dir, "kvfs.log")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        handlers.append(logging.FileHandler(path))
+    if not background:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    logging.basicConfig(level=level, format=fmt, handlers=handlers, force=True)
+    logging.getLogger("pyfuse3").setLevel(logging.INFO if s.debug else logging.WARNING)
+
+
+def mount(settings: Settings) -> int:
+    """Entry point of `kvfs mount`: returns the process exit code."""
+    s = check(settings)
+    if s.foreground:
+        _setup_logging(s, background=False)
+        return _serve(s, ready_fd=None)
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(write_fd)
+        with os.fdopen(read_fd, "rb") as pipe:
+            verdict = pipe.read().decode(errors="replace")
+        if verdict.startswith("ok"):
+            return 0
+        _, status = os.waitpid(pid, 0)
+        sys.stderr.write(f"kvfs: {verdict.strip() or 'the daemon died while mounting'}\n")
+        return 1
+    os.close(read_fd)
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    code = 1
+    try:
+        _setup_logging(s, background=True)
+        code = _serve(s, ready_fd=write_fd)
+    finally:
+        os._exit(code)
+
+
+def _serve(s: Settings, ready_fd: int | None) -> int:
+    import pyfuse3
+
+    from kvfs.assemble import Assembly
+
+    lock = _lock(s.nvme_dir)
+    try:
+        asm = Assembly(s)
+    except Exception as exc:
+        msg = str(exc) if isinstance(exc, (ConfigError, MountError)) else f"{exc!r}"
+        log.error("cannot start: %s", msg)
+        _tell(ready_fd, f"error: {msg}")
+        os.close(lock)
+        return 1
+    options = set(pyfuse3.default_options)
+    options |= {"fsname=kvfs", "subtype=kvfs"}
+    if s.allow_other:
+        options.add("allow_other")
+    if s.debug:
+        options.add("debug")
+    try:
+        pyfuse3.init(asm.ops, s.mountpoint, options)
+    except RuntimeError as exc:
+        asm.close()
+        _tell(ready_fd, f"error: mounting {s.mountpoint} failed: {exc}")
+        os.close(lock)
+        return 1
+    log.info("mounted %s (DRAM %s in %s, NVMe %s in %s, chunk %s)", s.mountpoint,
+             format_size(s.dram_size), s.dram_dir, format_size(s.nvme_size), s.nvme_dir,
+             format_size(asm.store.cs))
+    _tell(ready_fd, "ok")
+    _notify_systemd(b"READY=1")
+    code = 0
+    try:
+        trio.run(asm.run)
+    except BaseException:
+        log.exception("daemon failed")
+        code = 1
+    finally:
+        pyfuse3.close(unmount=True)
+        try:
+            asm.close()
+        finally:
+            os.close(lock)
+    log.info("unmounted %s", s.mountpoint)
+    return code
+
+
+def _tell(fd: int | None, msg: str) -> None:
+    if fd is None:
+        if msg.startswith("error"):
+            sys.stderr.write(f"kvfs: {msg[7:]}\n")
+        return
+    os.write(fd, msg.encode())
+    os.close(fd)
+
+
+def _lock(nvme_dir: str) -> int:
+    """One daemon per NVMe directory: a second mount of the same store would corrupt it."""
+    os.makedirs(nvme_dir, exist_ok=True)
+    fd = os.open(os.path.join(nvme_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            raise MountError(f"{nvme_dir} is in use by another kvfs daemon") from None
+        raise
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def _notify_systemd(msg: bytes) -> None:
+    """sd_notify without libsystemd: Type=notify units learn when the mount is ready."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.sendto(msg, addr)
+        except OSError as exc:
+            log.warning("systemd notification failed: %s", exc)
+

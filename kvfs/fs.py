@@ -1,0 +1,407 @@
+"""FUSE operations: translate kernel requests into namespace and chunk-store calls.
+
+No policy lives here: where bytes go is the store's and tiering's business. This is the only
+module that raises `pyfuse3.FUSEError`; everything below raises exceptions that say what
+happened, and `_errors` maps them to the errno a local filesystem (tmpfs, ext4) would return.
+
+Attributes of `Operations`:
+    ns        Namespace: inodes, directory entries, xattrs
+    store     ChunkStore: file bytes
+    control   Control: answers the `user.kvfs.*` virtual xattrs used by kvfsctl
+    handles   open file handles (fh -> Handle)
+    dirs      open directory handles (fh -> snapshot of entries)
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import itertools
+import logging
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+
+import pyfuse3
+
+from kvfs.namespace import Inode, Namespace, NamespaceError
+from kvfs.store.chunkstore import ChunkError, ChunkStore, NoSpace
+
+log = logging.getLogger(__name__)
+
+# Every change goes through this kernel, which invalidates what it cached itself; kvfs only
+# changes things behind its back on cache-mode eviction, and then it invalidates explicitly.
+# Long timeouts spare engines a round trip per stat() and per negative lookup.
+ATTR_TIMEOUT = 60.0
+ENTRY_TIMEOUT = 60.0
+# Alignment ext4 demands of O_DIRECT offsets and lengths (the logical block size).
+DIRECT_IO_ALIGN = 512
+MAX_FILE_SIZE = 1 << 50
+XATTR_SIZE_MAX = 65536
+BLOCK_SIZE = 4096  # st_blksize and f_bsize: what stdio and O_DIRECT users align to
+CONTROL_PREFIX = b"user.kvfs."
+
+
+@dataclass
+class Handle:
+    ino: int
+    flags: int
+    # Chunks (chunk, seq) whose checksum this handle already verified: a sequence of small
+    # reads checks each chunk once, not once per read.
+    verified: set = field(default_factory=set)
+
+    @property
+    def direct(self) -> bool:
+        return bool(self.flags & os.O_DIRECT)
+
+
+def _errors(fn):
+    """Map internal exceptions to FUSEError at the boundary, with one log line."""
+
+    @functools.wraps(fn)
+    async def wrapper(self, *args, **kwargs):
+        try:
+            return await fn(self, *args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except NamespaceError as exc:
+            raise pyfuse3.FUSEError(exc.errno) from None
+        except NoSpace:
+            raise pyfuse3.FUSEError(errno.ENOSPC) from None
+        except ChunkError as exc:
+            log.error("%s: %s", fn.__name__, exc)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        except OSError as exc:
+            log.error("%s: %s", fn.__name__, exc)
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+        except Exception:
+            log.exception("%s failed", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+
+    def __init__(self, ns: Namespace, store: ChunkStore, control, *, cache_mode: bool,
+                 evictor=None) -> None:
+        super().__init__()
+        self.ns = ns
+        self.store = store
+        self.control = control
+        self.cache_mode = cache_mode
+        self.evictor = evictor
+        self.handles: dict[int, Handle] = {}
+        self.dirs: dict[int, list[tuple[bytes, int]]] = {}
+        self._fh = itertools.count(1)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _attr(self, inode: Inode) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = inode.ino
+        a.generation = 0
+        a.entry_timeout = ENTRY_TIMEOUT
+        a.attr_timeout = ATTR_TIMEOUT
+        a.st_mode = inode.mode
+        a.st_nlink = inode.nlink
+        a.st_uid = inode.uid
+        a.st_gid = inode.gid
+        a.st_rdev = inode.rdev
+        a.st_size = inode.size
+        a.st_blksize = BLOCK_SIZE
+        a.st_blocks = (self.store.file_bytes.get(inode.ino, 0) + 511) // 512
+        a.st_atime_ns = inode.atime_ns
+        a.st_mtime_ns = inode.mtime_ns
+        a.st_ctime_ns = inode.ctime_ns
+        return a
+
+    def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
+        inode.lookups += 1
+        return self._attr(inode)
+
+    def _maybe_free(self, inode: Inode) -> None:
+        """Release an inode's data once nothing names or holds it, and the inode itself once
+        the kernel has forgotten it too."""
+        if inode.nlink > 0 or inode.opens > 0:
+            return
+        if inode.is_reg:
+            self.store.delete_file(inode.ino, inode.size)
+            if inode.size:
+                inode.size = 0
+        if self.evictor is not None:
+            self.evictor.forget(inode.ino)
+        if inode.lookups <= 0:
+            self.ns.forget_inode(inode)
+
+    async def _space_retry(self, op, need: int):
+        """Run *op*; in cache mode, evict cold files and retry when the store is full."""
+        while True:
+            try:
+                return await op()
+            except NoSpace:
+                if not self.cache_mode or self.evictor is None or not self.evictor.evict(need):
+                    raise
+
+    # -- lookup and attributes -------------------------------------------------------------
+    @_errors
+    async def lookup(self, parent_inode, name, ctx=None):
+        ino = self.ns.lookup(parent_inode, name)
+        if ino is None:
+            a = pyfuse3.EntryAttributes()
+            a.st_ino = 0  # cached negative entry: engines probe for absent blocks a lot
+            a.entry_timeout = ENTRY_TIMEOUT
+            return a
+        return self._entry(self.ns.get(ino))
+
+    @_errors
+    async def forget(self, inode_list):
+        for ino, nlookup in inode_list:
+            inode = self.ns.inodes.get(ino)
+            if inode is None:
+                continue
+            inode.lookups -= nlookup
+            if inode.nlink == 0:
+                self._maybe_free(inode)
+
+    @_errors
+    async def getattr(self, inode, ctx=None):
+        return self._attr(self.ns.get(inode))
+
+    @_errors
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        node = self.ns.get(inode)
+        now = time.time_ns()
+        if fields.update_size:
+            if not node.is_reg:
+                raise pyfuse3.FUSEError(errno.EISDIR if node.is_dir else errno.EINVAL)
+            if attr.st_size > MAX_FILE_SIZE:
+                raise pyfuse3.FUSEError(errno.EFBIG)
+            if attr.st_size < node.size:
+                await self.store.truncate(inode, node.size, attr.st_size)
+            node.size = attr.st_size
+            node.mtime_ns = now
+        if fields.update_mode:
+            node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode)
+        if fields.update_uid:
+            node.uid = attr.st_uid
+        if fields.update_gid:
+            node.gid = attr.st_gid
+        if fields.update_atime:
+            node.atime_ns = attr.st_atime_ns
+        if fields.update_mtime:
+            node.mtime_ns = attr.st_mtime_ns
+        node.ctime_ns = attr.st_ctime_ns if fields.update_ctime else now
+        self.ns.save(node)
+        return self._attr(node)
+
+    @_errors
+    async def readlink(self, inode, ctx):
+        target = self.ns.symlinks.get(inode)
+        if target is None:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return target
+
+    # -- namespace changes -----------------------------------------------------------------
+    @_errors
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        return self._entry(self.ns.create(parent_inode, name, mode & ~ctx.umask, ctx.uid,
+                                          ctx.gid, rdev=rdev))
+
+    @_errors
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        mode = stat.S_IFDIR | (mode & ~ctx.umask & 0o7777)
+        return self._entry(self.ns.create(parent_inode, name, mode, ctx.uid, ctx.gid))
+
+    @_errors
+    async def symlink(self, parent_inode, name, target, ctx):
+        if len(target) > 4095:
+            raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
+        return self._entry(self.ns.create(parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid,
+                                          ctx.gid, target=target))
+
+    @_errors
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        return self._entry(self.ns.link(inode, new_parent_inode, new_name))
+
+    @_errors
+    async def unlink(self, parent_inode, name, ctx):
+        self._maybe_free(self.ns.remove(parent_inode, name, want_dir=False))
+
+    @_errors
+    async def rmdir(self, parent_inode, name, ctx):
+        self._maybe_free(self.ns.remove(parent_inode, name, want_dir=True))
+
+    @_errors
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        replaced = self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        if replaced is not None:
+            self._maybe_free(replaced)
+
+    # -- files -----------------------------------------------------------------------------
+    def _open_handle(self, inode: Inode, flags: int) -> pyfuse3.FileInfo:
+        fh = next(self._fh)
+        self.handles[fh] = Handle(inode.ino, flags)
+        inode.opens += 1
+        if self.evictor is not None:
+            self.evictor.touch(inode.ino)
+        # direct_io: every read and write reaches kvfs in requests of up to 1 MiB (twice the
+        # throughput of page-cache-sized 128 KiB requests), and the page cache never holds a
+        # stale copy. mmap(MAP_PRIVATE) still works through the page cache.
+        return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+
+    @_errors
+    async def open(self, inode, flags, ctx):
+        node = self.ns.get(inode)
+        if node.is_dir:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        if flags & os.O_TRUNC and node.size:
+            # libfuse negotiates atomic O_TRUNC: the kernel leaves truncation to open().
+            await self.store.truncate(inode, node.size, 0)
+            node.size = 0
+            node.mtime_ns = node.ctime_ns = time.time_ns()
+            self.ns.save(node)
+        return self._open_handle(node, flags)
+
+    @_errors
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        node = self.ns.create(parent_inode, name, stat.S_IFREG | (mode & ~ctx.umask & 0o7777),
+                              ctx.uid, ctx.gid)
+        fi = self._open_handle(node, flags)
+        return fi, self._entry(node)
+
+    def _check_direct(self, h: Handle, off: int, size: int) -> None:
+        if h.direct and (off % DIRECT_IO_ALIGN or size % DIRECT_IO_ALIGN):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+
+    @_errors
+    async def read(self, fh, off, size):
+        h = self.handles[fh]
+        self._check_direct(h, off, size)
+        node = self.ns.get(h.ino)
+        return await self.store.read(h.ino, off, size, node.size, h.verified)
+
+    @_errors
+    async def write(self, fh, off, buf):
+        h = self.handles[fh]
+        self._check_direct(h, off, len(buf))
+        end = off + len(buf)
+        if end > MAX_FILE_SIZE:
+            raise pyfuse3.FUSEError(errno.EFBIG)
+        await self._space_retry(lambda: self.store.write(h.ino, off, buf), len(buf))
+        node = self.ns.get(h.ino)
+        if end > node.size:
+            node.size = end
+        node.mtime_ns = node.ctime_ns = time.time_ns()
+        self.ns.save(node)
+        return len(buf)
+
+    @_errors
+    async def flush(self, fh):
+        pass
+
+    @_errors
+    async def release(self, fh):
+        h = self.handles.pop(fh)
+        node = self.ns.inodes.get(h.ino)
+        if node is None:
+            return
+        node.opens -= 1
+        if node.nlink > 0:
+            await self.store.seal(h.ino, node.size)
+        self._maybe_free(node)
+
+    @_errors
+    async def fsync(self, fh, datasync):
+        h = self.handles[fh]
+        await self.store.fsync(h.ino, self.ns.get(h.ino).size)
+
+    # -- directories -----------------------------------------------------------------------
+    @_errors
+    async def opendir(self, inode, ctx):
+        entries = self.ns.entries(inode)
+        fh = next(self._fh)
+        self.dirs[fh] = entries
+        return fh
+
+    @_errors
+    async def readdir(self, fh, start_id, token):
+        entries = self.dirs[fh]
+        for i in range(start_id, len(entries)):
+            name, ino = entries[i]
+            inode = self.ns.inodes.get(ino)
+            if inode is None:
+                continue  # removed since opendir
+            if not pyfuse3.readdir_reply(token, name, self._attr(inode), i + 1):
+                break
+            inode.lookups += 1
+
+    @_errors
+    async def releasedir(self, fh):
+        self.dirs.pop(fh, None)
+
+    @_errors
+    async def fsyncdir(self, fh, datasync):
+        await self.store.sync()
+
+    @_errors
+    async def statfs(self, ctx):
+        s = pyfuse3.StatvfsData()
+        cap, used = self.store.capacity, self.store.used
+        s.f_bsize = s.f_frsize = BLOCK_SIZE
+        s.f_blocks = cap // BLOCK_SIZE
+        s.f_bfree = s.f_bavail = max(0, cap - used) // BLOCK_SIZE
+        s.f_files = max(1 << 24, 4 * len(self.ns.inodes))
+        s.f_ffree = s.f_favail = s.f_files - len(self.ns.inodes)
+        s.f_namemax = 255
+        return s
+
+    @_errors
+    async def access(self, inode, mode, ctx):
+        self.ns.get(inode)  # default_permissions: the kernel already checked the mode bits
+        return True
+
+    # -- xattrs ----------------------------------------------------------------------------
+    @_errors
+    async def setxattr(self, inode, name, value, ctx):
+        if self.control.handles(name):
+            self.control.set(inode, name[len(CONTROL_PREFIX):], value)
+            return
+        if name.startswith(b"system."):
+            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)  # no ACLs: like tmpfs without acl
+        if len(value) > XATTR_SIZE_MAX:
+            raise pyfuse3.FUSEError(errno.E2BIG)
+        self.ns.setxattr(inode, name, value)
+
+    @_errors
+    async def getxattr(self, inode, name, ctx):
+        if self.control.handles(name):
+            return self.control.get(inode, name[len(CONTROL_PREFIX):])
+        self.ns.get(inode)
+        value = self.ns.getxattr(inode, name)
+        if value is None:
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        return value
+
+    @_errors
+    async def listxattr(self, inode, ctx):
+        self.ns.get(inode)
+        return self.ns.listxattr(inode)
+
+    @_errors
+    async def removexattr(self, inode, name, ctx):
+        self.ns.removexattr(inode, name)
+
+    # -- cache-mode eviction -----------------------------------------------------------------
+    def remove_file(self, ino: int) -> bool:
+        """Remove every name of a file (cache-mode eviction) and tell the kernel."""
+        inode = self.ns.inodes.get(ino)
+        if inode is None or not inode.is_reg or inode.opens > 0 or inode.nlink == 0:
+            return False
+        for parent, name in list(self.ns.names_of(ino)):
+            self.ns.remove(parent, name, want_dir=False)
+            pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+        self._maybe_free(inode)
+        return True

@@ -1,0 +1,1 @@
+"""The chunk store: byte ranges of files <-> chunks <-> records in the DRAM and NVMe tiers."""

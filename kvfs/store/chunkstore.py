@@ -1,0 +1,699 @@
+"""ChunkStore: file byte ranges <-> chunks <-> copies in the DRAM arena and the NVMe log.
+
+Every chunk has one location tuple (`Loc`) in the Cython index and the same tuple in lmdb's
+`chunks` table. A chunk is in one of three states:
+
+    DRAM only (dirty)   dram_slot >= 0, seg == 0   - newest bytes only in tmpfs
+    both (clean copy)   dram_slot >= 0, seg > 0    - identical bytes on NVMe
+    NVMe only           dram_slot < 0,  seg > 0
+
+Concurrency protocol (all of this runs on the trio thread; see docs/DESIGN.md):
+- Between two awaits a task owns every structure here. Index, lmdb and arena writes for one
+  operation happen without an await in between, so readers never see half an update.
+- Work in worker threads (NVMe I/O, compression, checksums of whole files) only reads a DRAM
+  slot and returns results; the trio side then re-checks the chunk's `seq`. Every change of a
+  chunk's bytes takes a new seq, so a result computed from bytes that changed meanwhile is
+  recognised and thrown away (its NVMe record is marked dead).
+- A slot or a record is released only after the location that replaces it is committed
+  (MetaStore.after_commit): invariant 4.
+- A sealed chunk (checksum valid) that is about to change is unsealed in lmdb *before* its
+  bytes change, so a crash never leaves new bytes under an old checksum.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import NamedTuple
+
+import trio
+import xxhash
+
+from kvfs._index import ChunkIndex
+from kvfs.store.codec import CODEC_RAW, Codec, CodecError
+from kvfs.store.dram import DramArena, DramFull, pages
+from kvfs.store.meta import MetaStore, from_key2, key2
+from kvfs.store.nvme import NvmeFull, NvmeLog, RecordError, RecordHeader, record_length
+
+log = logging.getLogger(__name__)
+
+SEALED = 1  # checksum covers the current bytes
+LOST = 2  # the only copy was in DRAM and DRAM was lost (reboot): reads fail with EIO
+STREAM_USER = 0
+STREAM_GC = 1
+_LOC = struct.Struct("<qIQIIIBBQQ")
+
+
+class Loc(NamedTuple):
+    dram_slot: int
+    seg: int
+    off: int
+    rec_len: int
+    raw_len: int
+    stored_len: int
+    codec: int
+    flags: int
+    checksum: int
+    seq: int
+
+
+class NoSpace(Exception):
+    """Storing more bytes would exceed the capacity of the filesystem."""
+
+
+class ChunkError(Exception):
+    """A chunk cannot be read correctly; the message names the file and chunk."""
+
+    errno = errno.EIO
+
+
+def _hash(view) -> int:
+    return xxhash.xxh3_64_intdigest(view)
+
+
+@dataclass
+class Counters:
+    chunks_from_dram: int = 0
+    chunks_from_nvme: int = 0
+    chunks_from_holes: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    writebacks: int = 0
+    checksum_errors: int = 0
+    user_bytes_written: int = 0  # record bytes written to NVMe for user data
+    gc_bytes_written: int = 0
+    read_latency_us: list[int] = field(default_factory=lambda: [0] * 24)  # log2 buckets
+
+
+class ChunkStore:
+    """Mechanism for moving chunk bytes between tiers; policy objects decide what to move."""
+
+    def __init__(self, meta: MetaStore, fs_uuid: str, *, chunk_size: int, dram_dir: str,
+                 dram_size: int, nvme_dir: str, nvme_size: int, segment_size: int,
+                 codec: Codec, io_threads: int, policy) -> None:
+        self.meta = meta
+        self.cs = chunk_size
+        self.codec = codec
+        self.policy = policy
+        self.index = ChunkIndex(1 << 16)
+        self.dram = DramArena(dram_dir, fs_uuid, chunk_size, dram_size)
+        self.nvme = NvmeLog(nvme_dir, fs_uuid, nvme_size, segment_size)
+        self.limiter = trio.CapacityLimiter(io_threads)
+        self.counters = Counters()
+        # Accounting (bytes), kept exact by _account() on every location change.
+        self.dram_used = 0  # pages of chunk data in DRAM
+        self.dram_logical = 0
+        self.dram_chunks = 0
+        self.nvme_live = 0  # record bytes of live NVMe copies
+        self.nvme_logical = 0
+        self.nvme_chunks = 0
+        self.unbacked = 0  # DRAM pages that have no NVMe copy yet (count against capacity)
+        self.dirty_since: dict[tuple[int, int], float] = {}
+        self.file_bytes: dict[int, int] = {}
+        self.seq = 0
+        self.space_waiters = 0
+        self._space = trio.Event()
+        self._fetching: dict[tuple[int, int], trio.Event] = {}
+        self._file_codec: dict[int, int] = {}
+        self.codec_hint: Callable[[int], str | None] = lambda ino: None
+        self.kick_demoter: Callable[[], None] = lambda: None
+        # Room kept free on NVMe so that cleaning always has somewhere to copy to.
+        self.nvme_reserve = 2 * segment_size + nvme_size // 20
+        self._load()
+
+    # -- startup ---------------------------------------------------------------------------
+    def _load(self) -> None:
+        with self.meta.env.begin() as txn:
+            self.seq = self.meta.counter(txn, b"next_seq", 1)
+        slots: dict[int, int] = {}
+        lost_dram = not self.dram.survived
+        fixes: list[tuple[int, int, Loc | None]] = []
+        for k, v in self.meta.scan("chunks"):
+            ino, c = from_key2(k)
+            loc = Loc._make(_LOC.unpack(v))
+            self.seq = max(self.seq, loc.seq + 1)
+            if loc.seg and loc.seg not in self.nvme.segments:
+                log.error("inode %d chunk %d: segment %d is missing", ino, c, loc.seg)
+                loc = loc._replace(seg=0, off=0, rec_len=0, stored_len=0)
+                if loc.dram_slot < 0 or lost_dram:
+                    loc = loc._replace(dram_slot=-1, flags=LOST)
+                fixes.append((ino, c, loc))
+            elif loc.dram_slot >= 0 and lost_dram:
+                if loc.seg:
+                    loc = loc._replace(dram_slot=-1)
+                else:
+                    log.warning("inode %d chunk %d was only in DRAM, which is gone", ino, c)
+                    loc = loc._replace(dram_slot=-1, flags=LOST)
+                fixes.append((ino, c, loc))
+            if loc.dram_slot >= 0:
+                if loc.dram_slot >= self.dram.nslots or loc.dram_slot in slots:
+                    log.error("inode %d chunk %d: bad DRAM slot %d", ino, c, loc.dram_slot)
+                    loc = loc._replace(dram_slot=-1, flags=loc.flags if loc.seg else LOST)
+                    fixes.append((ino, c, loc))
+                else:
+                    slots[loc.dram_slot] = loc.raw_len
+            self.index.set(ino, c, tuple(loc))
+            self._account(ino, None, loc)
+            if loc.dram_slot >= 0:
+                self.policy.inserted((ino, c))
+                if not loc.seg:
+                    self.dirty_since[(ino, c)] = time.monotonic()
+            if loc.seg:
+                self.nvme.segments[loc.seg].live_bytes += loc.rec_len
+        self.dram.adopt(slots)
+        # Chunks caught mid-write by a crash were never sealed: seal what is there now.
+        with self.meta.write() as txn:
+            for ino, c, loc in fixes:
+                self._store_loc(txn, ino, c, loc)
+            for ino, c, loc in self.index.items():
+                loc = Loc._make(loc)
+                if loc.dram_slot >= 0 and not loc.flags & SEALED:
+                    csum = _hash(self.dram.slot_view(loc.dram_slot, loc.raw_len))
+                    self._store_loc(txn, ino, c, loc._replace(flags=SEALED, checksum=csum))
+        for seg in list(self.nvme.segments.values()):
+            self.nvme._maybe_delete(seg)
+
+    def close(self) -> None:
+        with self.meta.write() as txn:
+            self.meta.set_counter(txn, b"next_seq", self.seq)
+        self.dram.close()
+        self.nvme.close()
+
+    # -- location bookkeeping --------------------------------------------------------------
+    def _next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def _account(self, ino: int, old: Loc | None, new: Loc | None) -> None:
+        for loc, sign in ((old, -1), (new, 1)):
+            if loc is None:
+                continue
+            # st_blocks: what the file really occupies (NVMe record, else DRAM pages).
+            self.file_bytes[ino] = self.file_bytes.get(ino, 0) + sign * (
+                loc.rec_len if loc.seg else pages(loc.raw_len))
+            if loc.dram_slot >= 0:
+                self.dram_used += sign * pages(loc.raw_len)
+                self.dram_logical += sign * loc.raw_len
+                self.dram_chunks += sign
+                if not loc.seg:
+                    self.unbacked += sign * pages(loc.raw_len)
+            if loc.seg:
+                self.nvme_live += sign * loc.rec_len
+                self.nvme_logical += sign * loc.raw_len
+                self.nvme_chunks += sign
+
+    def _store_loc(self, txn, ino: int, c: int, loc: Loc | None) -> None:
+        if loc is None:
+            txn.delete(key2(ino, c), db=self.meta.db["chunks"])
+            self.index.pop(ino, c)
+        else:
+            txn.put(key2(ino, c), _LOC.pack(*loc), db=self.meta.db["chunks"])
+            self.index.set(ino, c, tuple(loc))
+
+    def _replace(self, txn, ino: int, c: int, old: Loc | None, new: Loc | None) -> None:
+        """Swap a chunk's location; copies the new one no longer names are released after
+        the commit."""
+        self._account(ino, old, new)
+        self._store_loc(txn, ino, c, new)
+        key = (ino, c)
+        if old is not None and old.dram_slot >= 0 and (new is None or
+                                                       new.dram_slot != old.dram_slot):
+            self.policy.removed(key)
+            self.dirty_since.pop(key, None)
+            slot, length = old.dram_slot, old.raw_len
+            self.meta.after_commit(lambda: self.dram.free(slot, length))
+        if old is not None and old.seg and (new is None or (new.seg, new.off) !=
+                                            (old.seg, old.off)):
+            seg, rec_len = old.seg, old.rec_len
+            self.meta.after_commit(lambda: self.nvme.mark_dead(seg, rec_len))
+        if new is not None and new.dram_slot >= 0:
+            if old is None or old.dram_slot != new.dram_slot:
+                self.policy.inserted(key)
+            if not new.seg:
+                self.dirty_since.setdefault(key, time.monotonic())
+            else:
+                self.dirty_since.pop(key, None)
+
+    def get(self, ino: int, c: int) -> Loc | None:
+        t = self.index.get(ino, c)
+        return None if t is None else Loc._make(t)
+
+    def is_clean(self, key: tuple[int, int]) -> bool:
+        loc = self.get(*key)
+        return loc is None or loc.seg > 0
+
+    # -- capacity --------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.nvme.capacity - self.nvme_reserve
+
+    @property
+    def used(self) -> int:
+        return self.nvme_live + self.unbacked
+
+    def _check_capacity(self, growth: int) -> None:
+        if growth > 0 and self.used + growth > self.capacity:
+            raise NoSpace()
+
+    def notify_space(self) -> None:
+        self._space.set()
+        self._space = trio.Event()
+
+    async def _wait_dram(self, growth: int) -> None:
+        """Wait until the arena has a free slot and room for *growth* more bytes."""
+        while self.dram.free_slots == 0 or self.dram_used + growth > self.dram.capacity:
+            if not self._drop_one_clean():
+                if self.dram_chunks == 0 and self.dram.free_slots:
+                    return  # a single write bigger than DRAM: let it through
+                self.space_waiters += 1
+                try:
+                    self.kick_demoter()
+                    with trio.fail_after(60):
+                        await self._space.wait()
+                except trio.TooSlowError:
+                    raise NoSpace() from None
+                finally:
+                    self.space_waiters -= 1
+        if self.dram_used + growth > self.dram.capacity * 0.9:
+            self.kick_demoter()
+
+    def _drop_one_clean(self) -> bool:
+        for key in self.policy.victims():
+            if self.is_clean(key):
+                self.drop_dram_copy(key)
+                return True
+            break  # the oldest is dirty: leave it to the demoter, it keeps eviction order
+        return False
+
+    # -- read ------------------------------------------------------------------------------
+    async def read(self, ino: int, off: int, size: int, file_size: int,
+                   verified: set | None = None) -> bytes | memoryview:
+        end = min(off + size, file_size)
+        if off >= end:
+            return b""
+        cs = self.cs
+        first, last = off // cs, (end - 1) // cs
+        if first == last:
+            return await self._read_piece(ino, first, off - first * cs, end - off, verified)
+        parts = []
+        for c in range(first, last + 1):
+            start = max(off, c * cs) - c * cs
+            stop = min(end, (c + 1) * cs) - c * cs
+            part = await self._read_piece(ino, c, start, stop - start, verified)
+            # A view into a DRAM slot is only valid until the next await: copy it.
+            parts.append(bytes(part) if isinstance(part, memoryview) else part)
+        return b"".join(parts)
+
+    async def _read_piece(self, ino: int, c: int, start: int, length: int,
+                          verified: set | None) -> bytes | memoryview:
+        t0 = time.perf_counter()
+        while True:
+            loc = self.get(ino, c)
+            if loc is None:
+                self.counters.chunks_from_holes += 1
+                return bytes(length)
+            if loc.flags & LOST:
+                raise ChunkError(f"inode {ino} chunk {c}: its only copy was lost with DRAM")
+            if loc.dram_slot >= 0:
+                view = self.dram.slot_view(loc.dram_slot, loc.raw_len)
+                if loc.flags & SEALED and (verified is None or (c, loc.seq) not in verified):
+                    if _hash(view) != loc.checksum:
+                        self.counters.checksum_errors += 1
+                        raise ChunkError(f"inode {ino} chunk {c}: checksum mismatch in DRAM")
+                    if verified is not None:
+                        verified.add((c, loc.seq))
+                self.policy.hit((ino, c))
+                self.counters.chunks_from_dram += 1
+                self._record_latency(t0)
+                return _slice(view, start, length)
+            data = await self.fetch(ino, c, loc, promote=True)
+            if data is None:
+                continue  # the chunk changed while we read it: start over
+            self.counters.chunks_from_nvme += 1
+            self._record_latency(t0)
+            return _slice(memoryview(data), start, length)
+
+    def _record_latency(self, t0: float) -> None:
+        us = int((time.perf_counter() - t0) * 1e6)
+        self.counters.read_latency_us[min(23, us.bit_length())] += 1
+
+    async def fetch(self, ino: int, c: int, loc: Loc, *, promote: bool) -> bytes | None:
+        """Read an NVMe-only chunk (verified); with *promote*, keep a clean copy in DRAM if
+        there is room. Returns None if the chunk changed meanwhile."""
+        key = (ino, c)
+        pending = self._fetching.get(key)
+        if pending is not None:
+            await pending.wait()
+            return None
+        done = self._fetching[key] = trio.Event()
+        try:
+            seg = self.nvme.pin(loc.seg)
+            try:
+                data = await trio.to_thread.run_sync(self._read_record, ino, c, loc, seg,
+                                                     limiter=self.limiter)
+            finally:
+                self.nvme.unpin(seg)
+            now = self.get(ino, c)
+            if now is None or now.seq != loc.seq:
+                return None
+            if promote and now.dram_slot < 0:
+                self._promote(ino, c, now, data)
+            return data
+        finally:
+            del self._fetching[key]
+            done.set()
+
+    def _read_record(self, ino: int, c: int, loc: Loc, seg) -> bytes:
+        """Worker thread: read, check, decode and verify one record."""
+        try:
+            h, payload = self.nvme.read_record(seg, loc.off, loc.rec_len)
+            if (h.ino, h.chunk, h.seq) != (ino, c, loc.seq):
+                raise RecordError(f"found inode {h.ino} chunk {h.chunk} seq {h.seq} instead")
+            data = self.codec.decode(h.codec, payload, h.raw_len)
+        except (RecordError, CodecError, OSError) as exc:
+            self.counters.checksum_errors += 1
+            raise ChunkError(f"inode {ino} chunk {c}: bad record in segment {loc.seg} at "
+                             f"{loc.off}: {exc}") from None
+        if len(data) != loc.raw_len or _hash(data) != loc.checksum:
+            self.counters.checksum_errors += 1
+            raise ChunkError(f"inode {ino} chunk {c}: checksum mismatch in segment {loc.seg}")
+        return data
+
+    def _promote(self, ino: int, c: int, loc: Loc, data: bytes) -> None:
+        """Keep a clean DRAM copy of an NVMe chunk, only if it fits without evicting."""
+        if (self.dram.free_slots == 0
+                or self.dram_used + pages(len(data)) > self.dram.capacity * 0.9):
+            return
+        slot = self.dram.alloc()
+        self.dram.slot_view(slot, len(data))[:] = data
+        with self.meta.write() as txn:
+            self._replace(txn, ino, c, loc, loc._replace(dram_slot=slot))
+        self.counters.promotions += 1
+
+    # -- write -----------------------------------------------------------------------------
+    async def write(self, ino: int, off: int, data: bytes) -> None:
+        """Store *data* at *off*. The caller updates the file size afterwards."""
+        cs = self.cs
+        pos, end = off, off + len(data)
+        mv = memoryview(data)
+        while pos < end:
+            c = pos // cs
+            start = pos - c * cs
+            stop = min(cs, end - c * cs)
+            await self._write_piece(ino, c, start, mv[pos - off:pos - off + stop - start])
+            pos = c * cs + stop
+
+    async def _write_piece(self, ino: int, c: int, start: int, piece: memoryview) -> None:
+        stop = start + len(piece)
+        while True:
+            loc = self.get(ino, c)
+            covers = start == 0 and (loc is None or stop >= loc.raw_len)
+            if loc is not None and loc.dram_slot < 0 and not covers:
+                if loc.flags & LOST:
+                    raise ChunkError(f"inode {ino} chunk {c}: its only copy was lost with DRAM")
+                await self._make_resident(ino, c, loc)  # read-modify-write of an NVMe chunk
+                continue
+            in_dram = loc is not None and loc.dram_slot >= 0
+            old_len = loc.raw_len if in_dram else 0
+            new_len = max(old_len, stop)
+            # After the write the chunk is DRAM-only: its pages count until written back, and
+            # an NVMe copy it had is dead.
+            before = 0 if loc is None else (
+                (pages(loc.raw_len) if in_dram and not loc.seg else 0)
+                + (loc.rec_len if loc.seg else 0))
+            self._check_capacity(pages(new_len) - before)
+            growth = pages(new_len) - pages(old_len)
+            if (not in_dram and self.dram.free_slots == 0) or \
+                    self.dram_used + growth > self.dram.capacity:
+                await self._wait_dram(growth)
+                continue  # the world may have changed while we waited
+            self._apply_write(ino, c, loc, start, piece, new_len)
+            return
+
+    async def _make_resident(self, ino: int, c: int, loc: Loc) -> None:
+        await self._wait_dram(pages(loc.raw_len))
+        now = self.get(ino, c)
+        if now is None or now.seq != loc.seq or now.dram_slot >= 0:
+            return
+        data = await self.fetch(ino, c, now, promote=False)
+        now = self.get(ino, c)
+        if data is None or now is None or now.seq != loc.seq or now.dram_slot >= 0:
+            return
+        if self.dram.free_slots == 0:
+            return
+        slot = self.dram.alloc()
+        self.dram.slot_view(slot, len(data))[:] = data
+        with self.meta.write() as txn:
+            self._replace(txn, ino, c, now, now._replace(dram_slot=slot))
+
+    def _apply_write(self, ino: int, c: int, loc: Loc | None, start: int, piece: memoryview,
+                     new_len: int) -> None:
+        """Synchronous part of a write: no await from here to the commit."""
+        stop = start + len(piece)
+        seq = self._next_seq()
+        if loc is None or loc.dram_slot < 0:
+            # Fresh slot: bytes first, then the commit that makes them part of the file.
+            slot = self.dram.alloc()
+            self.dram.slot_view(slot, stop)[start:stop] = piece
+            new = Loc(slot, 0, 0, 0, new_len, 0, CODEC_RAW, 0, 0, seq)
+        else:
+            if loc.flags & SEALED:
+                # Unseal in lmdb before the bytes change (crash safety, see module doc).
+                with self.meta.write() as txn:
+                    unsealed = loc._replace(flags=0)
+                    self._replace(txn, ino, c, loc, unsealed)
+                loc = unsealed
+            self.dram.slot_view(loc.dram_slot, stop)[start:stop] = piece
+            new = Loc(loc.dram_slot, 0, 0, 0, new_len, 0, CODEC_RAW, 0, 0, seq)
+        with self.meta.write() as txn:
+            self._replace(txn, ino, c, loc, new)
+
+    # -- sealing, writeback, fsync -----------------------------------------------------------
+    async def seal(self, ino: int, size: int) -> None:
+        """Checksum every unsealed DRAM chunk of a file (on close), in a worker thread."""
+        todo = []
+        for c in self.index.chunks_of(ino, self._nchunks(size)):
+            loc = self.get(ino, c)
+            if loc is not None and loc.dram_slot >= 0 and not loc.flags & SEALED:
+                todo.append((c, loc))
+        if not todo:
+            return
+        views = [self.dram.slot_view(loc.dram_slot, loc.raw_len) for _, loc in todo]
+        sums = await trio.to_thread.run_sync(lambda: [_hash(v) for v in views],
+                                             limiter=self.limiter)
+        with self.meta.write() as txn:
+            for (c, loc), csum in zip(todo, sums, strict=True):
+                now = self.get(ino, c)
+                if now == loc:
+                    self._replace(txn, ino, c, loc, loc._replace(flags=SEALED, checksum=csum))
+
+    def _nchunks(self, size: int) -> int:
+        return (size + self.cs - 1) // self.cs
+
+    async def writeback(self, key: tuple[int, int], *, drop: bool, stream: int = STREAM_USER
+                        ) -> bool:
+        """Copy a dirty DRAM chunk to NVMe; with *drop*, free its DRAM slot afterwards.
+        Returns False if the chunk changed meanwhile (the caller may retry)."""
+        ino, c = key
+        loc = self.get(ino, c)
+        if loc is None or loc.dram_slot < 0:
+            return True
+        if loc.seg:
+            if drop:
+                self.drop_dram_copy(key)
+            return True
+        codec_id = self._file_codec.get(ino)
+        view = self.dram.slot_view(loc.dram_slot, loc.raw_len)
+        csum, codec_id, payload = await trio.to_thread.run_sync(
+            self._encode, ino, view, loc, codec_id, limiter=self.limiter)
+        self._file_codec.setdefault(ino, codec_id)
+        now = self.get(ino, c)
+        if now is None or now.seq != loc.seq:
+            return False
+        rec_len = record_length(len(payload))
+        try:
+            seg, off = self.nvme.reserve(stream, rec_len)
+        except NvmeFull:
+            raise NoSpace() from None
+        header = RecordHeader(codec_id, stream, ino, c, loc.seq, loc.raw_len, len(payload), csum)
+        try:
+            await trio.to_thread.run_sync(self.nvme.write_record, seg, off, header, payload,
+                                          limiter=self.limiter)
+        except BaseException:
+            self.nvme.mark_dead(seg.seg_id, rec_len)
+            raise
+        self.nvme.bytes_written += rec_len
+        if stream == STREAM_GC:
+            self.counters.gc_bytes_written += rec_len
+        else:
+            self.counters.user_bytes_written += rec_len
+        now = self.get(ino, c)
+        if now is None or now.seq != loc.seq or now.dram_slot != loc.dram_slot:
+            self.nvme.mark_dead(seg.seg_id, rec_len)
+            return False
+        new = Loc(-1 if drop else now.dram_slot, seg.seg_id, off, rec_len, now.raw_len,
+                  len(payload), codec_id, SEALED, csum, now.seq)
+        with self.meta.write() as txn:
+            self._replace(txn, ino, c, now, new)
+        self.counters.writebacks += 1
+        if drop:
+            self.counters.demotions += 1
+        return True
+
+    def _encode(self, ino: int, view: memoryview, loc: Loc, codec_id: int | None):
+        """Worker thread: checksum (unless sealed) and compress one chunk."""
+        csum = loc.checksum if loc.flags & SEALED else _hash(view)
+        if codec_id is None:
+            codec_id = self.codec.choose(view[:65536], self.codec_hint(ino))
+        used, payload = self.codec.encode(view, codec_id)
+        if used == CODEC_RAW:
+            payload = bytes(view)  # the slot may change after we return: take a copy
+        return csum, codec_id, payload
+
+    def drop_dram_copy(self, key: tuple[int, int]) -> None:
+        """Free the DRAM slot of a chunk that is safely on NVMe."""
+        loc = self.get(*key)
+        if loc is None or loc.dram_slot < 0:
+            self.policy.removed(key)
+            return
+        if not loc.seg:
+            return
+        with self.meta.write() as txn:
+            self._replace(txn, key[0], key[1], loc, loc._replace(dram_slot=-1))
+
+    async def fsync(self, ino: int, size: int) -> None:
+        """Make a file's data durable on NVMe (its DRAM copies stay, clean)."""
+        for _attempt in range(100):
+            dirty = [c for c in self.index.chunks_of(ino, self._nchunks(size))
+                     if not self.is_clean((ino, c))]
+            if not dirty:
+                break
+            async with trio.open_nursery() as nursery:
+                for c in dirty:
+                    nursery.start_soon(partial(self.writeback, (ino, c), drop=False))
+        await self.sync()
+
+    async def sync(self) -> None:
+        await trio.to_thread.run_sync(self._sync_all, limiter=self.limiter)
+
+    def _sync_all(self) -> None:
+        self.nvme.sync()
+        self.meta.sync()
+
+    async def writeback_all(self) -> None:
+        """Write every dirty chunk to NVMe (clean unmount)."""
+        keys = list(self.dirty_since)
+        async with trio.open_nursery() as nursery:
+            limiter = trio.Semaphore(4)
+            for key in keys:
+                await limiter.acquire()
+                nursery.start_soon(self._writeback_release, key, limiter)
+        await self.sync()
+
+    async def _writeback_release(self, key, limiter) -> None:
+        try:
+            await self.writeback(key, drop=False)
+        except Exception as exc:
+            log.error("writeback of inode %d chunk %d failed: %s", key[0], key[1], exc)
+        finally:
+            limiter.release()
+
+    # -- truncate / delete -----------------------------------------------------------------
+    async def truncate(self, ino: int, old_size: int, new_size: int) -> None:
+        if new_size >= old_size:
+            return
+        cs = self.cs
+        keep = self._nchunks(new_size)
+        with self.meta.write() as txn:
+            for c in self.index.chunks_of(ino, self._nchunks(old_size)):
+                if c >= keep:
+                    self._replace(txn, ino, c, self.get(ino, c), None)
+        cut = new_size - (keep - 1) * cs if new_size else 0
+        if not new_size or cut == cs:
+            return
+        c = keep - 1
+        while True:
+            loc = self.get(ino, c)
+            if loc is None or loc.raw_len <= cut:
+                return
+            if loc.dram_slot < 0:
+                await self._make_resident(ino, c, loc)
+                continue
+            if loc.flags & SEALED:
+                with self.meta.write() as txn:
+                    unsealed = loc._replace(flags=0)
+                    self._replace(txn, ino, c, loc, unsealed)
+                loc = unsealed
+            self.dram.slot_view(loc.dram_slot, loc.raw_len)[cut:] = bytes(loc.raw_len - cut)
+            new = Loc(loc.dram_slot, 0, 0, 0, cut, 0, CODEC_RAW, 0, 0, self._next_seq())
+            with self.meta.write() as txn:
+                self._replace(txn, ino, c, loc, new)
+            self.dram.punch(loc.dram_slot, pages(cut), pages(loc.raw_len) - pages(cut))
+            return
+
+    def delete_file(self, ino: int, size: int) -> None:
+        """Forget every chunk of a file (its inode is gone)."""
+        with self.meta.write() as txn:
+            for c in self.index.chunks_of(ino, self._nchunks(size)):
+                self._replace(txn, ino, c, self.get(ino, c), None)
+        self._file_codec.pop(ino, None)
+        self.file_bytes.pop(ino, None)
+
+    # -- introspection -----------------------------------------------------------------------
+    def where(self, ino: int, size: int) -> list[dict]:
+        out = []
+        for c in self.index.chunks_of(ino, self._nchunks(size)):
+            loc = self.get(ino, c)
+            tiers = []
+            if loc.dram_slot >= 0:
+                tiers.append("dram")
+            if loc.seg:
+                tiers.append("nvme")
+            out.append({"chunk": c, "tiers": tiers, "raw_len": loc.raw_len,
+                        "stored_len": loc.stored_len if loc.seg else loc.raw_len,
+                        "codec": loc.codec, "segment": loc.seg or None,
+                        "dirty": loc.dram_slot >= 0 and not loc.seg,
+                        "lost": bool(loc.flags & LOST)})
+        return out
+
+    def stats(self) -> dict:
+        k = self.counters
+        segs = self.nvme.segments.values()
+        return {
+            "tiers": {
+                "dram": {"capacity_bytes": self.dram.capacity, "used_bytes": self.dram_used,
+                         "logical_bytes": self.dram_logical, "chunks": self.dram_chunks,
+                         "dirty_bytes": self.unbacked, "free_slots": self.dram.free_slots},
+                "nvme": {"capacity_bytes": self.nvme.capacity, "used_bytes": self.nvme_live,
+                         "logical_bytes": self.nvme_logical, "chunks": self.nvme_chunks,
+                         "segments": len(self.nvme.segments),
+                         "segment_bytes": sum(s.write_off for s in segs)},
+            },
+            "reads": {"chunks_from_dram": k.chunks_from_dram,
+                      "chunks_from_nvme": k.chunks_from_nvme,
+                      "chunks_from_holes": k.chunks_from_holes,
+                      "checksum_errors": k.checksum_errors,
+                      "latency_us_log2_histogram": list(k.read_latency_us)},
+            "moves": {"promotions": k.promotions, "demotions": k.demotions,
+                      "writebacks": k.writebacks},
+            "gc": {"user_bytes_written": k.user_bytes_written,
+                   "gc_bytes_written": k.gc_bytes_written,
+                   "write_amplification": round(
+                       (k.user_bytes_written + k.gc_bytes_written) / k.user_bytes_written, 4)
+                   if k.user_bytes_written else 1.0},
+        }
+
+
+def _slice(view: memoryview, start: int, length: int) -> bytes | memoryview:
+    """Bytes [start, start+length) of a chunk whose stored part is *view* (the rest is zeros)."""
+    have = len(view)
+    if start + length <= have:
+        return view[start:start + length]
+    if start >= have:
+        return bytes(length)
+    return bytes(view[start:]) + bytes(start + length - have)

@@ -1,0 +1,301 @@
+"""NVMe tier: a log of append-only segment files written and read with O_DIRECT.
+
+Each stream (a placement class: data expected to die together) has its own open segment;
+records of different streams never share one. Space is reserved on the trio thread (a plain
+offset bump), so many appends to one or several streams proceed at once in worker threads.
+A segment is the unit of reclamation: when its last live record dies it is unlinked, which
+lets the filesystem below discard the blocks. The byte layouts are in docs/FORMAT.md.
+
+Record: 64-byte header, payload, zero padding to a 4 KiB boundary.
+    magic u32 'KVR1' | version u16 | codec u8 | stream u8 | ino u64 | chunk u64 | seq u64 |
+    raw_len u32 | stored_len u32 | checksum u64 (xxh3-64 of the raw bytes) | 12 reserved
+    bytes (zero) | header_check u32 (xxh32 of the 60 bytes before it)
+Segment: a 4 KiB header block (magic 'KVSG', version, segment id, stream, fs uuid), records after.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+import uuid as uuidlib
+from dataclasses import dataclass
+
+import xxhash
+
+log = logging.getLogger(__name__)
+
+BLOCK = 4096
+RECORD_MAGIC = 0x3152564B  # b"KVR1" little-endian
+SEGMENT_MAGIC = 0x4753564B  # b"KVSG"
+RECORD_VERSION = 1
+SEGMENT_VERSION = 1
+HEADER = struct.Struct("<IHBBQQQIIQ12x")  # 60 bytes, then header_check u32
+HEADER_SIZE = 64
+SEGMENT_HEADER = struct.Struct("<IHBxI16sQ")
+
+
+class NvmeFull(Exception):
+    """The NVMe tier has no free segment for a new record."""
+
+
+class RecordError(Exception):
+    """A record on disk does not match what the index expects (corruption or a stale read)."""
+
+
+def align_up(n: int) -> int:
+    return (n + BLOCK - 1) & ~(BLOCK - 1)
+
+
+def record_length(stored_len: int) -> int:
+    return align_up(HEADER_SIZE + stored_len)
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    codec: int
+    stream: int
+    ino: int
+    chunk: int
+    seq: int
+    raw_len: int
+    stored_len: int
+    checksum: int
+
+
+def pack_header(h: RecordHeader) -> bytes:
+    body = HEADER.pack(RECORD_MAGIC, RECORD_VERSION, h.codec, h.stream, h.ino, h.chunk, h.seq,
+                       h.raw_len, h.stored_len, h.checksum)
+    return body + struct.pack("<I", xxhash.xxh32_intdigest(body))
+
+
+def unpack_header(buf: bytes | memoryview) -> RecordHeader:
+    body = bytes(buf[:60])
+    (check,) = struct.unpack_from("<I", buf, 60)
+    if xxhash.xxh32_intdigest(body) != check:
+        raise RecordError("record header checksum mismatch")
+    magic, version, codec, stream, ino, chunk, seq, raw_len, stored_len, csum = HEADER.unpack(body)
+    if magic != RECORD_MAGIC or version != RECORD_VERSION:
+        raise RecordError(f"not a kvfs record (magic {magic:#x}, version {version})")
+    return RecordHeader(codec, stream, ino, chunk, seq, raw_len, stored_len, csum)
+
+
+class AlignedBuffers:
+    """A pool of page-aligned buffers (anonymous mmaps) for O_DIRECT I/O, shared by threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: dict[int, list[mmap.mmap]] = {}
+
+    def get(self, size: int) -> mmap.mmap:
+        cls = max(BLOCK, 1 << (size - 1).bit_length())
+        with self._lock:
+            lst = self._pool.get(cls)
+            if lst:
+                return lst.pop()
+        return mmap.mmap(-1, cls)
+
+    def put(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            lst = self._pool.setdefault(len(buf), [])
+            if len(lst) < 16:
+                lst.append(buf)
+                return
+        buf.close()
+
+
+@dataclass
+class Segment:
+    seg_id: int
+    stream: int
+    path: str
+    fd: int
+    write_off: int = BLOCK  # next free byte (records start after the header block)
+    live_bytes: int = 0
+    sealed: bool = False  # no more appends
+    deleted: bool = False
+    readers: int = 0  # in-flight reads: the fd stays open until they finish
+    unsynced: bool = False
+    created: float = 0.0
+
+
+class NvmeLog:
+    """Segments, streams, appends and reads. Accounting of live bytes is driven by the store."""
+
+    def __init__(self, directory: str, fs_uuid: str, capacity: int, segment_size: int) -> None:
+        self.directory = os.path.join(directory, "segments")
+        os.makedirs(self.directory, exist_ok=True)
+        self.fs_uuid = uuidlib.UUID(fs_uuid).bytes
+        self.capacity = capacity
+        self.segment_size = segment_size
+        self.max_segments = capacity // segment_size
+        self.segments: dict[int, Segment] = {}
+        self.open_segment: dict[int, Segment] = {}  # stream -> segment being appended to
+        self.next_seg = 1
+        self.buffers = AlignedBuffers()
+        self.bytes_written = 0  # every record byte appended (user + GC)
+        self.hints_accepted: bool | None = None
+        self._discover()
+
+    # -- segments --------------------------------------------------------------------------
+    def _discover(self) -> None:
+        for name in sorted(os.listdir(self.directory)):
+            if not (name.startswith("seg-") and name.endswith(".kvs")):
+                continue
+            path = os.path.join(self.directory, name)
+            fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+            try:
+                head = os.pread(fd, SEGMENT_HEADER.size, 0)
+                magic, version, stream, seg_id, fsid, _ = SEGMENT_HEADER.unpack(head)
+            except (struct.error, OSError):
+                os.close(fd)
+                log.warning("ignoring unreadable segment file %s", path)
+                continue
+            if magic != SEGMENT_MAGIC or fsid != self.fs_uuid:
+                os.close(fd)
+                log.warning("ignoring %s: not a segment of this filesystem", path)
+                continue
+            size = os.fstat(fd).st_size
+            self.segments[seg_id] = Segment(seg_id, stream, path, fd, write_off=align_up(size),
+                                            sealed=True, created=os.stat(path).st_mtime)
+            self.next_seg = max(self.next_seg, seg_id + 1)
+
+    def _new_segment(self, stream: int) -> Segment:
+        if len(self.segments) >= self.max_segments:
+            raise NvmeFull()
+        seg_id = self.next_seg
+        self.next_seg += 1
+        path = os.path.join(self.directory, f"seg-{seg_id:08d}.kvs")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+        buf = self.buffers.get(BLOCK)
+        try:
+            buf[:BLOCK] = bytes(BLOCK)
+            buf[:SEGMENT_HEADER.size] = SEGMENT_HEADER.pack(
+                SEGMENT_MAGIC, SEGMENT_VERSION, stream, seg_id, self.fs_uuid, time.time_ns())
+            os.pwrite(fd, memoryview(buf)[:BLOCK], 0)
+        finally:
+            self.buffers.put(buf)
+        seg = Segment(seg_id, stream, path, fd, created=time.time(), unsynced=True)
+        self.segments[seg_id] = seg
+        return seg
+
+    def reserve(self, stream: int, length: int) -> tuple[Segment, int]:
+        """Claim *length* bytes at the end of *stream*'s open segment (trio thread, no I/O
+        except creating a segment file)."""
+        seg = self.open_segment.get(stream)
+        if seg is None or seg.write_off + length > self.segment_size:
+            if seg is not None:
+                seg.sealed = True
+                self._maybe_delete(seg)
+            seg = self._new_segment(stream)
+            self.open_segment[stream] = seg
+        off = seg.write_off
+        seg.write_off += length
+        seg.live_bytes += length
+        return seg, off
+
+    def free_segments(self) -> int:
+        return self.max_segments - len(self.segments)
+
+    def mark_dead(self, seg_id: int, rec_len: int) -> None:
+        """A record is no longer referenced (its replacement is already committed)."""
+        seg = self.segments.get(seg_id)
+        if seg is None:
+            return
+        seg.live_bytes -= rec_len
+        self._maybe_delete(seg)
+
+    def _maybe_delete(self, seg: Segment) -> None:
+        if seg.sealed and seg.live_bytes <= 0 and not seg.deleted:
+            seg.deleted = True
+            del self.segments[seg.seg_id]
+            os.unlink(seg.path)
+            if seg.readers == 0:
+                os.close(seg.fd)
+
+    # -- I/O (worker threads) ---------------------------------------------------------------
+    def write_record(self, seg: Segment, off: int, header: RecordHeader,
+                     payload: bytes | memoryview) -> int:
+        """Write one record at *off*; returns its length on disk."""
+        rec_len = record_length(len(payload))
+        buf = self.buffers.get(rec_len)
+        try:
+            buf[:HEADER_SIZE] = pack_header(header)
+            buf[HEADER_SIZE:HEADER_SIZE + len(payload)] = payload
+            tail = HEADER_SIZE + len(payload)
+            buf[tail:rec_len] = bytes(rec_len - tail)
+            os.pwrite(seg.fd, memoryview(buf)[:rec_len], off)
+        finally:
+            self.buffers.put(buf)
+        seg.unsynced = True
+        return rec_len
+
+    def pin(self, seg_id: int) -> Segment:
+        """Keep a segment's fd open across a read in a worker thread (trio thread)."""
+        seg = self.segments.get(seg_id)
+        if seg is None:
+            raise RecordError(f"segment {seg_id} does not exist")
+        seg.readers += 1
+        return seg
+
+    def unpin(self, seg: Segment) -> None:
+        seg.readers -= 1
+        if seg.deleted and seg.readers == 0:
+            os.close(seg.fd)
+
+    def read_record(self, seg: Segment, off: int, rec_len: int) -> tuple[RecordHeader, bytes]:
+        """Read and parse one record of a pinned segment (worker thread); the caller checks
+        that it is the record it expected."""
+        buf = self.buffers.get(rec_len)
+        try:
+            n = os.preadv(seg.fd, [memoryview(buf)[:rec_len]], off)
+            if n < HEADER_SIZE:
+                raise RecordError(f"short read in segment {seg.seg_id} at {off}")
+            header = unpack_header(buf)
+            if HEADER_SIZE + header.stored_len > n:
+                raise RecordError(f"record in segment {seg.seg_id} at {off} is truncated")
+            return header, buf[HEADER_SIZE:HEADER_SIZE + header.stored_len]
+        finally:
+            self.buffers.put(buf)
+
+    def sync(self) -> None:
+        """fdatasync every segment with appended records (worker thread)."""
+        for seg in list(self.segments.values()):
+            if seg.unsynced and not seg.deleted:
+                seg.unsynced = False
+                os.fdatasync(seg.fd)
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)  # new segment files' directory entries
+        finally:
+            os.close(fd)
+
+    def scan(self, seg_id: int) -> list[tuple[int, RecordHeader]]:
+        """(offset, header) of every record in a segment, read sequentially (GC, fsck)."""
+        seg = self.segments[seg_id]
+        out: list[tuple[int, RecordHeader]] = []
+        off, end = BLOCK, seg.write_off
+        buf = self.buffers.get(BLOCK)
+        try:
+            while off < end:
+                n = os.preadv(seg.fd, [memoryview(buf)[:BLOCK]], off)
+                if n < HEADER_SIZE:
+                    break
+                try:
+                    h = unpack_header(buf)
+                except RecordError:
+                    off += BLOCK  # a torn or never-written record: resynchronise on blocks
+                    continue
+                out.append((off, h))
+                off += record_length(h.stored_len)
+        finally:
+            self.buffers.put(buf)
+        return out
+
+    def close(self) -> None:
+        for seg in self.segments.values():
+            os.close(seg.fd)
+        self.segments.clear()

@@ -1,0 +1,26 @@
+"""Thin wrappers for Linux calls the os module lacks (fallocate modes, write-life hints)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_libc.fallocate.restype = ctypes.c_int
+
+
+def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    """fallocate(2) with any mode; raises OSError like the os module does."""
+    if _libc.fallocate(fd, mode, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Deallocate a byte range (reads return zeros) without changing the file size."""
+    fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length)

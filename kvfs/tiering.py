@@ -1,0 +1,174 @@
+"""Tiering policy: which DRAM chunks stay, which go, and when the demoter runs.
+
+Policy only: the moves themselves are ChunkStore mechanisms (`writeback`, `drop_dram_copy`).
+
+The DRAM tier is a segmented LRU (SLRU). A chunk enters *probation* when it is written or
+promoted; a read hit moves it to *protected*. Victims come from the head of probation first,
+so one pass of never-reused writes (a scan) cycles through probation and cannot flush the
+blocks that engines actually reuse. Protected is capped at PROTECTED_SHARE of the chunks in
+DRAM; its overflow falls back to probation's tail and gets one more chance.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import trio
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, int]
+# Reused data may fill most of DRAM, but new writes always keep some room to land in.
+PROTECTED_SHARE = 0.8
+
+
+class DramPolicy:
+    """SLRU bookkeeping of the chunks that have a DRAM copy."""
+
+    def __init__(self) -> None:
+        self.probation: OrderedDict[Key, None] = OrderedDict()
+        self.protected: OrderedDict[Key, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.probation) + len(self.protected)
+
+    def inserted(self, key: Key) -> None:
+        if key not in self.protected:
+            self.probation[key] = None
+            self.probation.move_to_end(key)
+
+    def hit(self, key: Key) -> None:
+        if key in self.protected:
+            self.protected.move_to_end(key)
+            return
+        if key not in self.probation:
+            return
+        del self.probation[key]
+        self.protected[key] = None
+        limit = max(1, int(PROTECTED_SHARE * len(self)))
+        while len(self.protected) > limit:
+            old, _ = self.protected.popitem(last=False)
+            self.probation[old] = None
+
+    def removed(self, key: Key) -> None:
+        self.probation.pop(key, None)
+        self.protected.pop(key, None)
+
+    def victims(self) -> Iterator[Key]:
+        """Keys in eviction order (a snapshot: safe while the caller changes the policy)."""
+        yield from list(self.probation)
+        yield from list(self.protected)
+
+
+class Demoter:
+    """Background task keeping DRAM use between the watermarks and writing back old dirty data.
+
+    Runs in the daemon's nursery. Each pass walks the policy's victims: clean chunks (already on
+    NVMe) are dropped at once; dirty ones are written back and dropped, several at a time.
+    """
+
+    def __init__(self, store, *, high: float, low: float, writeback_age: float,
+                 parallel: int = 4) -> None:
+        self.store = store
+        self.high = high
+        self.low = low
+        self.writeback_age = writeback_age
+        self.parallel = parallel
+        self._kick = trio.Event()
+        self.passes = 0
+
+    def kick(self) -> None:
+        self._kick.set()
+
+    def over(self, mark: float) -> bool:
+        s = self.store
+        return (s.dram_used > mark * s.dram.capacity
+                or s.dram.free_slots < (1 - mark) * s.dram.nslots)
+
+    async def run(self) -> None:
+        while True:
+            with trio.move_on_after(1.0):
+                await self._kick.wait()
+            self._kick = trio.Event()
+            try:
+                if self.over(self.high) or self.store.space_waiters:
+                    await self.demote_until(self.low)
+                if self.writeback_age > 0:
+                    await self.write_back_old()
+            except Exception:
+                log.exception("demotion pass failed")
+            self.store.notify_space()
+
+    async def demote_until(self, mark: float) -> None:
+        self.passes += 1
+        s = self.store
+        async with trio.open_nursery() as nursery:
+            limiter = trio.Semaphore(self.parallel)
+            for key in s.policy.victims():
+                if not self.over(mark) and not s.space_waiters:
+                    break
+                if s.is_clean(key):
+                    s.drop_dram_copy(key)
+                    continue
+                await limiter.acquire()
+                nursery.start_soon(self._writeback, key, limiter)
+
+    async def _writeback(self, key: Key, limiter: trio.Semaphore) -> None:
+        try:
+            await self.store.writeback(key, drop=True)
+        except Exception as exc:  # NoSpace and I/O errors: the chunk stays dirty in DRAM
+            log.warning("demotion of chunk %s failed: %s", key, exc)
+        finally:
+            limiter.release()
+            self.store.notify_space()
+
+    async def write_back_old(self) -> None:
+        """Dirty chunks older than writeback_age go to NVMe (kept in DRAM as clean copies)."""
+        s = self.store
+        cutoff = time.monotonic() - self.writeback_age
+        old = [k for k, t in s.dirty_since.items() if t < cutoff]
+        for key in old:
+            try:
+                await s.writeback(key, drop=False)
+            except Exception as exc:
+                log.warning("writeback of chunk %s failed: %s", key, exc)
+                return
+
+
+class FileEvictor:
+    """Cache mode: when the store is full, remove whole least-recently-used files.
+
+    A KV cache would rather lose a cold block (the engine recomputes it) than fail a write.
+    `remove_file` is the filesystem's mechanism; this class only picks the victims.
+    """
+
+    def __init__(self, remove_file, file_bytes) -> None:
+        self.remove_file = remove_file
+        self.file_bytes = file_bytes
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.evicted_files = 0
+        self.evicted_bytes = 0
+
+    def touch(self, ino: int) -> None:
+        self.lru[ino] = None
+        self.lru.move_to_end(ino)
+
+    def forget(self, ino: int) -> None:
+        self.lru.pop(ino, None)
+
+    def evict(self, need: int) -> bool:
+        """Remove cold files until about *need* bytes are freed; False if nothing could go."""
+        freed = 0
+        for ino in list(self.lru):
+            if freed >= need:
+                break
+            size = self.file_bytes.get(ino, 0)
+            if self.remove_file(ino):  # False for open files: they stay candidates
+                self.lru.pop(ino, None)
+                self.evicted_files += 1
+                self.evicted_bytes += size
+                freed += max(size, 1)
+        return freed > 0

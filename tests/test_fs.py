@@ -1,0 +1,277 @@
+"""POSIX behaviour engines rely on, checked through a real mount (tmpfs is the reference)."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+import threading
+import time
+
+import pytest
+
+
+def _err(fn, *args) -> int:
+    with pytest.raises(OSError) as ei:
+        fn(*args)
+    return ei.value.errno
+
+
+def test_create_write_read_roundtrip(kv):
+    p = kv.path / "a.bin"
+    data = os.urandom(300_000)
+    p.write_bytes(data)
+    assert p.read_bytes() == data
+    assert p.stat().st_size == len(data)
+
+
+def test_open_flags(kv):
+    p = str(kv.path / "f")
+    fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    os.write(fd, b"hello world")
+    os.close(fd)
+    assert _err(os.open, p, os.O_CREAT | os.O_EXCL | os.O_WRONLY) == errno.EEXIST
+    fd = os.open(p, os.O_RDWR)
+    os.pwrite(fd, b"HELLO", 0)
+    assert os.pread(fd, 100, 0) == b"HELLO world"
+    os.close(fd)
+    fd = os.open(p, os.O_WRONLY | os.O_TRUNC)
+    os.close(fd)
+    assert os.stat(p).st_size == 0
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
+    assert _err(os.open, str(kv.path / "missing"), os.O_RDONLY) == errno.ENOENT
+
+
+def test_sparse_and_offsets(kv):
+    p = str(kv.path / "sparse")
+    fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
+    tib = 1 << 40
+    os.ftruncate(fd, tib)
+    os.pwrite(fd, b"x" * 5000, tib - 5000)
+    os.pwrite(fd, b"y" * 100, 123_456_789)
+    assert os.fstat(fd).st_size == tib
+    assert os.pread(fd, 5000, tib - 5000) == b"x" * 5000
+    assert os.pread(fd, 300, 123_456_689) == b"\0" * 100 + b"y" * 100 + b"\0" * 100
+    assert os.pread(fd, 10, tib) == b""
+    # st_blocks counts stored bytes, not the 1 TiB apparent size
+    assert os.fstat(fd).st_blocks * 512 < 1 << 20
+    os.pwritev(fd, [b"a" * 4096, b"b" * 4096], 65536 - 4096)
+    assert os.preadv(fd, [bytearray(4096), bytearray(4096)], 65536 - 4096) == 8192
+    assert os.pread(fd, 8192, 65536 - 4096) == b"a" * 4096 + b"b" * 4096
+    os.close(fd)
+
+
+def test_truncate_shrink_and_grow(kv):
+    p = kv.path / "t"
+    data = os.urandom(200_000)
+    p.write_bytes(data)
+    os.truncate(p, 70_000)
+    assert p.read_bytes() == data[:70_000]
+    os.truncate(p, 150_000)
+    assert p.read_bytes() == data[:70_000] + bytes(80_000)
+    os.truncate(p, 0)
+    assert p.read_bytes() == b""
+
+
+def test_o_direct(kv):
+    p = str(kv.path / "direct")
+    fd = os.open(p, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o644)
+    buf = mmap.mmap(-1, 8192)
+    buf.write(b"z" * 8192)
+    assert os.pwrite(fd, buf, 0) == 8192
+    rb = mmap.mmap(-1, 8192)
+    assert os.preadv(fd, [rb], 0) == 8192
+    assert rb[:] == b"z" * 8192
+    assert _err(os.pwrite, fd, b"abc", 0) == errno.EINVAL  # unaligned length
+    assert _err(os.pwrite, fd, bytes(512), 100) == errno.EINVAL  # unaligned offset
+    os.close(fd)
+    # O_DIRECT switched on later with fcntl(F_SETFL), as Dynamo does
+    import fcntl
+
+    fd = os.open(p, os.O_RDWR)
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+    assert os.pwrite(fd, buf, 8192) == 8192
+    os.close(fd)
+    assert os.path.getsize(p) == 16384
+
+
+def test_mmap_private_read(kv):
+    p = kv.path / "m.safetensors"
+    data = os.urandom(150_000)
+    p.write_bytes(data)
+    with open(p, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+        assert m[:] == data
+        m.close()
+        m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        m[0:4] = b"XXXX"  # private: not written back
+        assert m[4:100] == data[4:100]
+        m.close()
+    assert p.read_bytes() == data
+
+
+def test_rename_replace_and_flags(kv):
+    a, b = kv.path / "a", kv.path / "b"
+    a.write_bytes(b"new")
+    b.write_bytes(b"old" * 10000)
+    os.replace(a, b)
+    assert b.read_bytes() == b"new"
+    assert not a.exists()
+    os.mkdir(kv.path / "d1")
+    os.mkdir(kv.path / "d1" / "sub")
+    os.rename(kv.path / "d1", kv.path / "d2")
+    assert (kv.path / "d2" / "sub").is_dir()
+    assert _err(os.rename, kv.path / "d2", kv.path / "d2" / "sub" / "x") == errno.EINVAL
+    (kv.path / "f").write_bytes(b"1")
+    assert _err(os.rename, kv.path / "f", kv.path / "d2") == errno.EISDIR
+    assert _err(os.rename, kv.path / "d2", kv.path / "f") == errno.ENOTDIR
+    assert _err(os.rename, kv.path / "nope", kv.path / "x") == errno.ENOENT
+
+
+def test_unlink_open_file_stays_readable(kv):
+    p = kv.path / "u"
+    data = os.urandom(500_000)
+    p.write_bytes(data)
+    fd = os.open(p, os.O_RDWR)
+    os.unlink(p)
+    assert not p.exists()
+    assert os.pread(fd, len(data), 0) == data
+    os.pwrite(fd, b"more", len(data))
+    assert os.fstat(fd).st_size == len(data) + 4
+    os.close(fd)
+    assert kv.status()["files"] == 0
+    # release() arrives asynchronously after close(); then the data is freed
+    for _ in range(100):
+        tiers = kv.status()["tiers"]
+        if tiers["dram"]["chunks"] == tiers["nvme"]["chunks"] == 0:
+            break
+        time.sleep(0.05)
+    assert tiers["dram"]["chunks"] == tiers["nvme"]["chunks"] == 0
+
+
+def test_directories(kv):
+    deep = kv.path / "a" / "b" / "c" / "d"
+    os.makedirs(deep)
+    (deep / "f").write_bytes(b"x")
+    assert _err(os.rmdir, kv.path / "a" / "b" / "c" / "d") == errno.ENOTEMPTY
+    assert _err(os.mkdir, kv.path / "a") == errno.EEXIST
+    assert _err(os.rmdir, deep / "f") == errno.ENOTDIR
+    assert _err(os.unlink, kv.path / "a") == errno.EISDIR
+    os.unlink(deep / "f")
+    os.rmdir(deep)
+    assert sorted(os.listdir(kv.path / "a" / "b" / "c")) == []
+    assert os.stat(kv.path / "a").st_nlink == 3
+    assert _err(os.open, str(kv.path / "a" / "x" / "y"), os.O_CREAT | os.O_WRONLY) == \
+        errno.ENOENT
+
+
+def test_big_flat_directory(kv):
+    n = 100_000 if os.environ.get("KVFS_BIG_DIR") else 20_000
+    d = kv.path / "flat"
+    d.mkdir()
+    for i in range(n):
+        fd = os.open(d / f"blk{i:06d}@x%y.bin", os.O_CREAT | os.O_WRONLY, 0o644)
+        os.close(fd)
+    names = os.listdir(d)
+    assert len(names) == n
+    assert len(set(names)) == n
+    with os.scandir(d) as it:
+        assert sum(1 for e in it if e.is_file()) == n
+    for i in range(0, n, 997):
+        assert not os.path.exists(d / f"absent{i}")  # negative lookups
+        assert os.path.exists(d / f"blk{i:06d}@x%y.bin")
+
+
+def test_names(kv):
+    for name in ["model@1@0@abc@bf16.pt", "a%20b", ".hidden", "x" * 255, "ünïcode"]:
+        (kv.path / name).write_bytes(name.encode())
+        assert (kv.path / name).read_bytes() == name.encode()
+    assert _err(open, kv.path / ("y" * 256), "wb") == errno.ENAMETOOLONG
+
+
+def test_statvfs_and_blocks(kv):
+    st = os.statvfs(kv.path)
+    assert st.f_bsize == 4096 and st.f_frsize == 4096
+    cap = st.f_blocks * st.f_frsize
+    assert 32 << 20 < cap <= 64 << 20
+    free0 = st.f_bavail
+    data = os.urandom(3 << 20)
+    (kv.path / "x").write_bytes(data)
+    st2 = os.statvfs(kv.path)
+    assert (free0 - st2.f_bavail) * 4096 >= 3 << 20
+    assert os.stat(kv.path / "x").st_blocks * 512 >= 3 << 20
+    small = kv.path / "small"
+    small.write_bytes(os.urandom(5000))
+    assert os.stat(small).st_blocks * 512 == 8192  # pages, not a whole chunk
+
+
+def test_fsync_file_and_dir(kv):
+    p = kv.path / "s"
+    with open(p, "wb") as f:
+        f.write(os.urandom(200_000))
+        f.flush()
+        os.fsync(f.fileno())
+        os.fdatasync(f.fileno())
+    fd = os.open(kv.path, os.O_RDONLY | os.O_DIRECTORY)
+    os.fsync(fd)
+    os.close(fd)
+    assert "nvme" in kv.tiers("s")
+
+
+def test_attributes_links_xattrs(kv):
+    p = kv.path / "f"
+    p.write_bytes(b"data")
+    os.chmod(p, 0o640)
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o640
+    os.chown(p, 1234, 5678)
+    assert (os.stat(p).st_uid, os.stat(p).st_gid) == (1234, 5678)
+    os.utime(p, ns=(1_000_000_000, 2_000_000_000))
+    assert os.stat(p).st_mtime_ns == 2_000_000_000
+    os.symlink("f", kv.path / "l")
+    assert os.readlink(kv.path / "l") == "f"
+    assert (kv.path / "l").read_bytes() == b"data"
+    os.link(p, kv.path / "h")
+    assert os.stat(p).st_nlink == 2
+    os.unlink(p)
+    assert (kv.path / "h").read_bytes() == b"data"
+    h = kv.path / "h"
+    os.setxattr(h, "user.model", b"llama")
+    assert os.getxattr(h, "user.model") == b"llama"
+    assert "user.model" in os.listxattr(h)
+    os.removexattr(h, "user.model")
+    assert _err(os.getxattr, h, "user.model") == errno.ENODATA
+    assert _err(os.removexattr, h, "user.model") == errno.ENODATA
+
+
+def test_concurrent_pwrite_pread_one_file(kv):
+    p = str(kv.path / "shared")
+    fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
+    os.ftruncate(fd, 1 << 40)
+    page = 40 << 10
+    blobs = {i: os.urandom(page) for i in range(64)}
+
+    def writer(ids):
+        for i in ids:
+            os.pwrite(fd, blobs[i], i * 7_777_777)
+
+    threads = [threading.Thread(target=writer, args=(range(j, 64, 8),)) for j in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors = []
+
+    def reader(ids):
+        for i in ids:
+            if os.pread(fd, page, i * 7_777_777) != blobs[i]:
+                errors.append(i)
+
+    threads = [threading.Thread(target=reader, args=(range(j, 64, 8),)) for j in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    os.close(fd)
+    assert errors == []
