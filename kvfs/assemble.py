@@ -38,7 +38,7 @@ class Assembly:
         elif sb["chunk_size"] != s.chunk_size and s.extra.get("chunk_size_given"):
             raise ConfigError(f"{s.nvme_dir} was made with chunk_size {sb['chunk_size']}; "
                               f"it cannot change to {s.chunk_size}")
-        self.policy = DramPolicy()
+        self.policy = DramPolicy(s.dram_size // sb["chunk_size"])
         self.store = ChunkStore(
             self.meta, sb["uuid"], chunk_size=sb["chunk_size"], dram_dir=s.dram_dir,
             dram_size=s.dram_size, nvme_dir=s.nvme_dir, nvme_size=s.nvme_size,
@@ -62,6 +62,7 @@ class Assembly:
         self.demoter = Demoter(self.store, high=s.dram_high_watermark, low=s.dram_low_watermark,
                                writeback_age=WRITEBACK_AGE_S)
         self.store.kick_demoter = self.demoter.kick
+        self.store.high_water = int(s.dram_high_watermark * s.dram_size)
         # Files unlinked while open when the daemon last stopped: nobody can reach them now.
         for inode in self.ns.orphans():
             self.store.delete_file(inode.ino, inode.size)

@@ -27,7 +27,7 @@ class Control:
         self.ns = ns
         self.store = store
         self.settings = settings
-        self.extra_stats = list(extra_stats)  # callables returning {section: {...}}
+        self.extra_stats = extra_stats  # callables returning {section: {...}}; may grow
         self.started = time.time()
 
     @staticmethod

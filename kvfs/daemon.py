@@ -18,6 +18,7 @@ import trio
 
 from kvfs.config import ConfigError, Settings, format_size
 from kvfs.store.dram import is_tmpfs
+from kvfs.store.meta import FormatError
 
 log = logging.getLogger(__name__)
 
@@ -132,14 +133,16 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
 
     from kvfs.assemble import Assembly
 
-    lock = _lock(s.nvme_dir)
+    lock = None
     try:
+        lock = _lock(s.nvme_dir)
         asm = Assembly(s)
     except Exception as exc:
-        msg = str(exc) if isinstance(exc, (ConfigError, MountError)) else f"{exc!r}"
+        msg = str(exc) if isinstance(exc, (ConfigError, MountError, FormatError)) else repr(exc)
         log.error("cannot start: %s", msg)
         _tell(ready_fd, f"error: {msg}")
-        os.close(lock)
+        if lock is not None:
+            os.close(lock)
         return 1
     options = set(pyfuse3.default_options)
     options |= {"fsname=kvfs", "subtype=kvfs"}

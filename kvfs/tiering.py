@@ -5,8 +5,8 @@ Policy only: the moves themselves are ChunkStore mechanisms (`writeback`, `drop_
 The DRAM tier is a segmented LRU (SLRU). A chunk enters *probation* when it is written or
 promoted; a read hit moves it to *protected*. Victims come from the head of probation first,
 so one pass of never-reused writes (a scan) cycles through probation and cannot flush the
-blocks that engines actually reuse. Protected is capped at PROTECTED_SHARE of the chunks in
-DRAM; its overflow falls back to probation's tail and gets one more chance.
+blocks that engines actually reuse. Protected is capped at PROTECTED_SHARE of the chunks
+DRAM can hold; its overflow falls back to probation's tail and gets one more chance.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ PROTECTED_SHARE = 0.8
 class DramPolicy:
     """SLRU bookkeeping of the chunks that have a DRAM copy."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity_chunks: int) -> None:
         self.probation: OrderedDict[Key, None] = OrderedDict()
         self.protected: OrderedDict[Key, None] = OrderedDict()
+        self.protected_limit = max(1, int(PROTECTED_SHARE * capacity_chunks))
 
     def __len__(self) -> int:
         return len(self.probation) + len(self.protected)
@@ -48,8 +49,7 @@ class DramPolicy:
             return
         del self.probation[key]
         self.protected[key] = None
-        limit = max(1, int(PROTECTED_SHARE * len(self)))
-        while len(self.protected) > limit:
+        while len(self.protected) > self.protected_limit:
             old, _ = self.protected.popitem(last=False)
             self.probation[old] = None
 
@@ -61,6 +61,14 @@ class DramPolicy:
         """Keys in eviction order (a snapshot: safe while the caller changes the policy)."""
         yield from list(self.probation)
         yield from list(self.protected)
+
+    def next_victim(self, skip: set[Key]) -> Key | None:
+        """The coldest key not in *skip*, looking at the live queues."""
+        for queue in (self.probation, self.protected):
+            for key in queue:
+                if key not in skip:
+                    return key
+        return None
 
 
 class Demoter:
@@ -78,14 +86,17 @@ class Demoter:
         self.writeback_age = writeback_age
         self.parallel = parallel
         self._kick = trio.Event()
+        self._leaving = 0
+        self._inflight: set[Key] = set()
         self.passes = 0
 
     def kick(self) -> None:
         self._kick.set()
 
-    def over(self, mark: float) -> bool:
+    def over(self, mark: float, leaving: int = 0) -> bool:
+        """Is DRAM above *mark*, not counting *leaving* bytes already being demoted?"""
         s = self.store
-        return (s.dram_used > mark * s.dram.capacity
+        return (s.dram_used - leaving > mark * s.dram.capacity
                 or s.dram.free_slots < (1 - mark) * s.dram.nslots)
 
     async def run(self) -> None:
@@ -105,23 +116,33 @@ class Demoter:
     async def demote_until(self, mark: float) -> None:
         self.passes += 1
         s = self.store
+        self._leaving = 0
+        self._inflight: set[Key] = set()
         async with trio.open_nursery() as nursery:
             limiter = trio.Semaphore(self.parallel)
-            for key in s.policy.victims():
-                if not self.over(mark) and not s.space_waiters:
+            while self.over(mark, self._leaving) or (s.space_waiters and not self._leaving):
+                await limiter.acquire()
+                key = s.policy.next_victim(self._inflight)
+                if key is None:
+                    limiter.release()
                     break
                 if s.is_clean(key):
                     s.drop_dram_copy(key)
+                    limiter.release()
                     continue
-                await limiter.acquire()
-                nursery.start_soon(self._writeback, key, limiter)
+                size = s.dram_pages(key)
+                self._leaving += size
+                self._inflight.add(key)
+                nursery.start_soon(self._writeback, key, limiter, size)
 
-    async def _writeback(self, key: Key, limiter: trio.Semaphore) -> None:
+    async def _writeback(self, key: Key, limiter: trio.Semaphore, size: int) -> None:
         try:
             await self.store.writeback(key, drop=True)
         except Exception as exc:  # NoSpace and I/O errors: the chunk stays dirty in DRAM
             log.warning("demotion of chunk %s failed: %s", key, exc)
         finally:
+            self._leaving -= size
+            self._inflight.discard(key)
             limiter.release()
             self.store.notify_space()
 

@@ -122,6 +122,8 @@ class ChunkStore:
         self._file_codec: dict[int, int] = {}
         self.codec_hint: Callable[[int], str | None] = lambda ino: None
         self.kick_demoter: Callable[[], None] = lambda: None
+        self.high_water = int(0.9 * dram_size)  # set by tiering; start demoting above it
+        self.low_slots = self.dram.nslots // 10
         # Room kept free on NVMe so that cleaning always has somewhere to copy to.
         self.nvme_reserve = 2 * segment_size + nvme_size // 20
         self._load()
@@ -133,12 +135,16 @@ class ChunkStore:
         slots: dict[int, int] = {}
         lost_dram = not self.dram.survived
         fixes: list[tuple[int, int, Loc | None]] = []
+        missing: set[int] = set()
         for k, v in self.meta.scan("chunks"):
             ino, c = from_key2(k)
             loc = Loc._make(_LOC.unpack(v))
             self.seq = max(self.seq, loc.seq + 1)
             if loc.seg and loc.seg not in self.nvme.segments:
-                log.error("inode %d chunk %d: segment %d is missing", ino, c, loc.seg)
+                if loc.seg not in missing:
+                    missing.add(loc.seg)
+                    log.error("segment %d is missing: its chunks are lost (first: inode %d "
+                              "chunk %d)", loc.seg, ino, c)
                 loc = loc._replace(seg=0, off=0, rec_len=0, stored_len=0)
                 if loc.dram_slot < 0 or lost_dram:
                     loc = loc._replace(dram_slot=-1, flags=LOST)
@@ -243,6 +249,10 @@ class ChunkStore:
         t = self.index.get(ino, c)
         return None if t is None else Loc._make(t)
 
+    def dram_pages(self, key: tuple[int, int]) -> int:
+        loc = self.get(*key)
+        return pages(loc.raw_len) if loc is not None and loc.dram_slot >= 0 else 0
+
     def is_clean(self, key: tuple[int, int]) -> bool:
         loc = self.get(*key)
         return loc is None or loc.seg > 0
@@ -279,8 +289,6 @@ class ChunkStore:
                     raise NoSpace() from None
                 finally:
                     self.space_waiters -= 1
-        if self.dram_used + growth > self.dram.capacity * 0.9:
-            self.kick_demoter()
 
     def _drop_one_clean(self) -> bool:
         for key in self.policy.victims():
@@ -472,6 +480,8 @@ class ChunkStore:
             new = Loc(loc.dram_slot, 0, 0, 0, new_len, 0, CODEC_RAW, 0, 0, seq)
         with self.meta.write() as txn:
             self._replace(txn, ino, c, loc, new)
+        if self.dram_used > self.high_water or self.dram.free_slots < self.low_slots:
+            self.kick_demoter()
 
     # -- sealing, writeback, fsync -----------------------------------------------------------
     async def seal(self, ino: int, size: int) -> None:

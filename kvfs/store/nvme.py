@@ -146,18 +146,17 @@ class NvmeLog:
             if not (name.startswith("seg-") and name.endswith(".kvs")):
                 continue
             path = os.path.join(self.directory, name)
-            fd = os.open(path, os.O_RDWR | os.O_DIRECT)
             try:
-                head = os.pread(fd, SEGMENT_HEADER.size, 0)
+                with open(path, "rb") as f:  # buffered: O_DIRECT wants aligned buffers
+                    head = f.read(SEGMENT_HEADER.size)
                 magic, version, stream, seg_id, fsid, _ = SEGMENT_HEADER.unpack(head)
-            except (struct.error, OSError):
-                os.close(fd)
-                log.warning("ignoring unreadable segment file %s", path)
+            except (struct.error, OSError) as exc:
+                log.warning("ignoring unreadable segment file %s: %s", path, exc)
                 continue
             if magic != SEGMENT_MAGIC or fsid != self.fs_uuid:
-                os.close(fd)
                 log.warning("ignoring %s: not a segment of this filesystem", path)
                 continue
+            fd = os.open(path, os.O_RDWR | os.O_DIRECT)
             size = os.fstat(fd).st_size
             self.segments[seg_id] = Segment(seg_id, stream, path, fd, write_off=align_up(size),
                                             sealed=True, created=os.stat(path).st_mtime)

@@ -1,0 +1,291 @@
+"""Tiers through a real mount: demotion, promotion, scan resistance, persistence, integrity,
+full-disk behaviour. Small tiers make every movement happen within a second or two."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+CHUNK = 64 << 10
+
+
+def _fill(m, prefix: str, n: int, size: int) -> dict[str, bytes]:
+    files = {}
+    for i in range(n):
+        data = os.urandom(size)
+        (m.path / f"{prefix}{i}").write_bytes(data)
+        files[f"{prefix}{i}"] = data
+    return files
+
+
+def _wait(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.05)
+
+
+def _check(m, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        assert (m.path / name).read_bytes() == data, name
+
+
+def test_demotion_and_nvme_reads(kv):
+    files = _fill(kv, "f", 40, 256 << 10)  # 10 MiB through a 4 MiB DRAM tier
+    st = kv.status()
+    assert st["tiers"]["dram"]["used_bytes"] <= st["tiers"]["dram"]["capacity_bytes"]
+    assert st["tiers"]["nvme"]["chunks"] > 0
+    assert kv.tiers("f0") == {"nvme"}
+    before = st["reads"]["chunks_from_nvme"]
+    _check(kv, files)
+    assert kv.status()["reads"]["chunks_from_nvme"] > before
+
+
+def test_small_file_costs_its_pages(kv):
+    (kv.path / "s").write_bytes(os.urandom(64 << 10 >> 4))  # 4 KiB
+    st = kv.status()["tiers"]["dram"]
+    assert st["used_bytes"] == 4096 and st["logical_bytes"] == 4096
+
+
+def test_scan_does_not_flush_reused_blocks(kv):
+    hot = _fill(kv, "hot", 8, 128 << 10)  # 1 MiB of reused blocks
+    for _ in range(2):
+        _check(kv, hot)  # reads promote them to the protected segment
+    assert all(kv.tiers(n) == {"dram"} for n in hot)
+    _fill(kv, "scan", 48, 256 << 10)  # one pass of 12 MiB written once, never read
+    assert all("dram" in kv.tiers(n) for n in hot), "a write scan evicted reused blocks"
+
+
+def test_nvme_reads_promote_when_room(mount_factory):
+    m = mount_factory(dram_size="4M")
+    files = _fill(m, "f", 24, 256 << 10)
+    for name in files:
+        if m.tiers(name) == {"nvme"}:
+            break
+    else:
+        pytest.fail("nothing was demoted")
+    for n in list(files)[8:]:
+        os.unlink(m.path / n)  # make room
+    assert (m.path / name).read_bytes() == files[name]
+    assert "dram" in m.tiers(name)
+    assert m.status()["moves"]["promotions"] > 0
+
+
+def test_overwrite_nvme_chunk_partially(kv):
+    files = _fill(kv, "f", 30, 256 << 10)
+    assert kv.tiers("f0") == {"nvme"}
+    fd = os.open(kv.path / "f0", os.O_RDWR)
+    os.pwrite(fd, b"X" * 100, CHUNK + 10)  # read-modify-write of an NVMe-only chunk
+    os.close(fd)
+    want = bytearray(files["f0"])
+    want[CHUNK + 10:CHUNK + 110] = b"X" * 100
+    assert (kv.path / "f0").read_bytes() == bytes(want)
+    os.truncate(kv.path / "f1", CHUNK + 7)  # truncation inside an NVMe-only chunk
+    assert (kv.path / "f1").read_bytes() == files["f1"][:CHUNK + 7]
+
+
+def test_remount_keeps_everything(kv):
+    files = _fill(kv, "f", 30, 200_000)
+    os.makedirs(kv.path / "d" / "e")
+    os.symlink("../f1", kv.path / "d" / "link")
+    kv.unmount()
+    kv.start()
+    _check(kv, files)
+    assert os.readlink(kv.path / "d" / "link") == "../f1"
+    # A clean unmount writes dirty chunks back: even losing DRAM now loses nothing.
+    kv.unmount()
+    import shutil
+
+    shutil.rmtree(kv.dram_dir)
+    kv.start()
+    _check(kv, files)
+
+
+def test_sigkill_keeps_unsynced_data(kv):
+    files = _fill(kv, "f", 20, 150_000)
+    fd = os.open(kv.path / "open-while-killed", os.O_CREAT | os.O_WRONLY)
+    os.write(fd, b"partial")
+    kv.kill()
+    try:
+        os.close(fd)  # the mount is dead: close() may answer ENOTCONN
+    except OSError:
+        pass
+    kv.start()
+    _check(kv, files)
+    assert (kv.path / "open-while-killed").read_bytes() == b"partial"
+    assert kv.status()["reads"]["checksum_errors"] == 0
+
+
+def test_fsync_survives_losing_dram(kv):
+    data = os.urandom(300_000)
+    with open(kv.path / "durable", "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    (kv.path / "volatile").write_bytes(b"v" * 1000)
+    kv.reboot()
+    kv.start()
+    assert (kv.path / "durable").read_bytes() == data
+    assert os.path.getsize(kv.path / "durable") == len(data)
+    # Never written back: the file exists but its lost bytes read as EIO, never as zeros.
+    with pytest.raises(OSError) as ei:
+        (kv.path / "volatile").read_bytes()
+    assert ei.value.errno == errno.EIO
+
+
+def _arena_offset(m, name: str) -> int:
+    """Where the first chunk of *name* lives in the DRAM arena file."""
+    from kvfs.store.meta import MetaStore, from_key2  # read-only peek, daemon stopped
+
+    ino = os.stat(m.path / name).st_ino
+    m.unmount()
+    meta = MetaStore(str(m.nvme_dir / "meta"))
+    import struct
+
+    try:
+        for k, v in meta.scan("chunks"):
+            if from_key2(k) == (ino, 0):
+                slot = struct.unpack_from("<q", v)[0]
+                return slot * CHUNK
+    finally:
+        meta.env.close()
+    raise AssertionError("chunk not found")
+
+
+def test_corrupt_dram_chunk_is_eio(kv):
+    data = os.urandom(100_000)
+    (kv.path / "c").write_bytes(data)
+    off = _arena_offset(kv, "c")  # unmounts
+    with open(kv.dram_dir / "arena", "r+b") as f:
+        f.seek(off + 5)
+        byte = f.read(1)
+        f.seek(off + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    kv.start()
+    with pytest.raises(OSError) as ei:
+        (kv.path / "c").read_bytes()
+    assert ei.value.errno == errno.EIO
+    assert kv.status()["reads"]["checksum_errors"] >= 1
+    assert "checksum mismatch" in kv.log()
+    # the second chunk is intact and still readable
+    with open(kv.path / "c", "rb") as f:
+        f.seek(CHUNK)
+        assert f.read() == data[CHUNK:]
+
+
+def test_corrupt_nvme_record_is_eio(kv):
+    files = _fill(kv, "f", 30, 128 << 10)
+    assert kv.tiers("f0") == {"nvme"}
+    seg = kv.where("f0")[0]["segment"]
+    kv.unmount()
+    import shutil
+
+    shutil.rmtree(kv.dram_dir)  # make sure the read has to come from NVMe
+    path = kv.nvme_dir / "segments" / f"seg-{seg:08d}.kvs"
+    raw = bytearray(path.read_bytes())
+    for off in range(4096 + 64 + 1000, len(raw), 4096 * 8):
+        raw[off] ^= 0x55
+    path.write_bytes(bytes(raw))
+    kv.start()
+    bad = 0
+    for name, data in files.items():
+        try:
+            got = (kv.path / name).read_bytes()
+        except OSError as exc:
+            assert exc.errno == errno.EIO
+            bad += 1
+            continue
+        assert got == data  # never wrong bytes
+    assert bad > 0
+
+
+def test_enospc_keeps_what_was_stored(mount_factory):
+    m = mount_factory(dram_size="4M", nvme_size="24M", segment_size="1M")
+    stored = {}
+    with pytest.raises(OSError) as ei:
+        for i in range(100):
+            data = os.urandom(512 << 10)
+            (m.path / f"f{i}").write_bytes(data)
+            stored[f"f{i}"] = data
+    assert ei.value.errno == errno.ENOSPC
+    st = os.statvfs(m.path)
+    assert st.f_bavail * st.f_frsize < 1 << 20
+    _check(m, stored)
+    for name in list(stored)[:10]:
+        os.unlink(m.path / name)
+        del stored[name]
+    (m.path / "after").write_bytes(b"room again" * 1000)  # deleting frees space
+    m.unmount()
+    m.start()
+    _check(m, stored)
+
+
+def test_cache_mode_evicts_whole_cold_files(mount_factory):
+    m = mount_factory(dram_size="4M", nvme_size="24M", segment_size="1M", cache_mode="1")
+    names = []
+    for i in range(100):
+        (m.path / f"f{i}").write_bytes(os.urandom(512 << 10))
+        names.append(f"f{i}")
+    st = m.status()
+    assert st["evictions"]["files"] > 0
+    present = [n for n in names if (m.path / n).exists()]
+    assert "f99" in present and "f0" not in present
+    for n in present:
+        assert os.path.getsize(m.path / n) == 512 << 10
+        (m.path / n).read_bytes()
+
+
+def test_status_json_shape(kv):
+    (kv.path / "x").write_bytes(b"x" * 1000)
+    st = kv.status()
+    for tier in ("dram", "nvme"):
+        for key in ("capacity_bytes", "used_bytes", "logical_bytes", "chunks"):
+            assert isinstance(st["tiers"][tier][key], int)
+    assert {"chunks_from_dram", "chunks_from_nvme"} <= set(st["reads"])
+    out = os.popen(f"python -m kvfs.cli.ctl status {kv.path} --json").read()
+    assert json.loads(out)["tiers"]["dram"]["chunks"] == 1
+    out = os.popen(f"python -m kvfs.cli.ctl where {kv.path / 'x'} --json").read()
+    assert json.loads(out)["chunks"][0]["tiers"] == ["dram"]
+    text = os.popen(f"python -m kvfs.cli.ctl status {kv.path}").read()
+    assert "dram" in text and "hit rate" in text
+
+
+def test_where_pages_large_files(kv):
+    p = str(kv.path / "big")
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY)
+    for i in range(600):
+        os.pwrite(fd, b"a", i * CHUNK * 3)
+    os.close(fd)
+    chunks = kv.where("big")
+    assert [c["chunk"] for c in chunks] == [i * 3 for i in range(600)]
+
+
+def test_unknown_format_refused(mount_factory):
+    m = mount_factory()
+    m.unmount()
+    from kvfs.store.meta import MetaStore
+
+    meta = MetaStore(str(m.nvme_dir / "meta"))
+    with meta.env.begin(write=True, db=meta.db["super"]) as txn:
+        sb = json.loads(txn.get(b"superblock"))
+        sb["format"] = 99
+        txn.put(b"superblock", json.dumps(sb).encode())
+    meta.close()
+    with pytest.raises(RuntimeError, match="format 99 is not supported"):
+        m.start()
+    assert not os.path.ismount(m.path)
+
+
+def test_second_daemon_on_same_store_refused(mount_factory, tmp_path):
+    m = mount_factory()
+    other = tmp_path / "other"
+    other.mkdir()
+    clone = type(m)(Path(other), m.dram_dir, m.nvme_dir, m.options)
+    with pytest.raises(RuntimeError, match="in use by another kvfs"):
+        clone.start()
