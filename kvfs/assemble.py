@@ -17,6 +17,7 @@ from kvfs.fs import Operations
 from kvfs.namespace import Namespace
 from kvfs.store.chunkstore import ChunkStore
 from kvfs.store.codec import Codec, CodecPolicy
+from kvfs.store.gc import Cleaner
 from kvfs.store.meta import MetaStore
 from kvfs.tiering import Demoter, DramPolicy, FileEvictor
 
@@ -62,6 +63,8 @@ class Assembly:
         self.demoter = Demoter(self.store, high=s.dram_high_watermark, low=s.dram_low_watermark,
                                writeback_age=WRITEBACK_AGE_S)
         self.store.kick_demoter = self.demoter.kick
+        self.cleaner = Cleaner(self.store)
+        self.store.cleaner = self.cleaner
         self.store.high_water = int(s.dram_high_watermark * s.dram_size)
         # Files unlinked while open when the daemon last stopped: nobody can reach them now.
         for inode in self.ns.orphans():
@@ -75,6 +78,7 @@ class Assembly:
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.demoter.run)
+            nursery.start_soon(self.cleaner.run)
             nursery.start_soon(self._signals)
             # Enough request tasks that a slow NVMe read never holds up a DRAM hit.
             await pyfuse3.main(min_tasks=8, max_tasks=64)

@@ -1,8 +1,7 @@
 """`fsck.kvfs NVME_DIR`: check an unmounted kvfs offline.
 
 Reads every chunk location in the metadata, reads its NVMe record (or DRAM slot), and verifies
-headers and checksums. Reports problems; with --repair, chunks whose data is unreadable are
-dropped (their files then read zeros there... no: they are marked lost and read EIO).
+headers and checksums. Read-only: it reports, it does not repair.
 """
 
 from __future__ import annotations
@@ -10,11 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvfs.config import DEFAULT_DRAM_DIR
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fsck.kvfs", description="check an unmounted kvfs")
     parser.add_argument("nvme_dir", help="the NVMe directory of the filesystem")
-    parser.add_argument("--dram-dir", default="/dev/shm/kvfs", help="its DRAM directory")
+    parser.add_argument("--dram-dir", default=DEFAULT_DRAM_DIR,
+                        help="its DRAM directory (default %(default)s)")
     args = parser.parse_args(argv)
     from kvfs.fsck import check
 

@@ -38,7 +38,7 @@ from kvfs._index import ChunkIndex
 from kvfs.store.codec import CODEC_RAW, Codec, CodecError
 from kvfs.store.dram import DramArena, DramFull, pages
 from kvfs.store.meta import MetaStore, from_key2, key2
-from kvfs.store.nvme import NvmeFull, NvmeLog, RecordError, RecordHeader, record_length
+from kvfs.store.nvme import NvmeLog, RecordError, RecordHeader, record_length
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,7 @@ class ChunkStore:
         self._file_codec: dict[int, int] = {}
         self.codec_hint: Callable[[int], str | None] = lambda ino: None
         self.kick_demoter: Callable[[], None] = lambda: None
+        self.cleaner = None  # set by the assembly (store.gc.Cleaner)
         self.high_water = int(0.9 * dram_size)  # set by tiering; start demoting above it
         self.low_slots = self.dram.nslots // 10
         # Room kept free on NVMe so that cleaning always has somewhere to copy to.
@@ -526,10 +527,7 @@ class ChunkStore:
         if now is None or now.seq != loc.seq:
             return False
         rec_len = record_length(len(payload))
-        try:
-            seg, off = self.nvme.reserve(stream, rec_len)
-        except NvmeFull:
-            raise NoSpace() from None
+        seg, off = await self._reserve(stream, rec_len)
         header = RecordHeader(codec_id, stream, ino, c, loc.seq, loc.raw_len, len(payload), csum)
         try:
             await trio.to_thread.run_sync(self.nvme.write_record, seg, off, header, payload,
@@ -554,6 +552,24 @@ class ChunkStore:
         if drop:
             self.counters.demotions += 1
         return True
+
+    async def _reserve(self, stream: int, rec_len: int):
+        """Space for one record; cleans segments if none is free."""
+        while True:
+            try:
+                return self.nvme.reserve(stream, rec_len)
+            except NvmeFull:
+                if self.cleaner is None or not await self.cleaner.make_room():
+                    raise NoSpace() from None
+
+    def relocated(self, ino: int, c: int, old: Loc, seg: int, off: int, rec_len: int) -> None:
+        """The cleaner copied a record: point the chunk at the copy if nothing changed."""
+        now = self.get(ino, c)
+        if now is None or (now.seg, now.off, now.seq) != (old.seg, old.off, old.seq):
+            self.nvme.mark_dead(seg, rec_len)
+            return
+        with self.meta.write() as txn:
+            self._replace(txn, ino, c, now, now._replace(seg=seg, off=off, rec_len=rec_len))
 
     def _encode(self, ino: int, view: memoryview, loc: Loc, codec_id: int | None):
         """Worker thread: checksum (unless sealed) and compress one chunk."""

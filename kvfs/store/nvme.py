@@ -138,6 +138,7 @@ class NvmeLog:
         self.buffers = AlignedBuffers()
         self.bytes_written = 0  # every record byte appended (user + GC)
         self.hints_accepted: bool | None = None
+        self.gc_reserved = 2  # segments only the cleaner may open
         self._discover()
 
     # -- segments --------------------------------------------------------------------------
@@ -181,13 +182,18 @@ class NvmeLog:
         self.segments[seg_id] = seg
         return seg
 
-    def reserve(self, stream: int, length: int) -> tuple[Segment, int]:
+    def reserve(self, stream: int, length: int, *, for_gc: bool = False
+                ) -> tuple[Segment, int]:
         """Claim *length* bytes at the end of *stream*'s open segment (trio thread, no I/O
-        except creating a segment file)."""
+        except creating a segment file). Only the cleaner may take the last free segments:
+        it needs them to free others."""
         seg = self.open_segment.get(stream)
         if seg is None or seg.write_off + length > self.segment_size:
+            if not for_gc and self.free_segments() <= self.gc_reserved:
+                raise NvmeFull()
             if seg is not None:
                 seg.sealed = True
+                del self.open_segment[stream]
                 self._maybe_delete(seg)
             seg = self._new_segment(stream)
             self.open_segment[stream] = seg

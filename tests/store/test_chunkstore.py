@@ -289,3 +289,25 @@ def test_second_daemon_on_same_store_refused(mount_factory, tmp_path):
     clone = type(m)(Path(other), m.dram_dir, m.nvme_dir, m.options)
     with pytest.raises(RuntimeError, match="in use by another kvfs"):
         clone.start()
+
+
+def test_fsck_clean_and_detects_corruption(kv):
+    import subprocess
+    import sys
+
+    files = _fill(kv, "f", 30, 128 << 10)
+    seg = kv.where("f0")[0]["segment"]
+    kv.unmount()
+    cmd = [sys.executable, "-m", "kvfs.cli.fsck", str(kv.nvme_dir), "--dram-dir",
+           str(kv.dram_dir)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert " 0 errors" in r.stdout
+    path = kv.nvme_dir / "segments" / f"seg-{seg:08d}.kvs"
+    raw = bytearray(path.read_bytes())
+    raw[4096 + 64 + 10] ^= 1
+    path.write_bytes(bytes(raw))
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 4
+    assert "checksum mismatch" in r.stdout or "decode" in r.stdout.lower()
+    assert len(files) == 30
