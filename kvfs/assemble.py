@@ -15,6 +15,7 @@ from kvfs.config import ConfigError, Settings
 from kvfs.control import Control
 from kvfs.fs import Operations
 from kvfs.namespace import Namespace
+from kvfs.readahead import Readahead
 from kvfs.store.chunkstore import ChunkStore
 from kvfs.store.codec import Codec, CodecPolicy
 from kvfs.store.gc import Cleaner
@@ -48,8 +49,11 @@ class Assembly:
         self.ns = Namespace(self.meta)
         self.evictor = None
         extra = []
-        self.control = Control(self.ns, self.store, s, extra)
-        self.ops = Operations(self.ns, self.store, self.control, cache_mode=s.cache_mode)
+        self.readahead = Readahead(self.store, depth=s.readahead_chunks)
+        extra.append(self.readahead.stats)
+        self.control = Control(self.ns, self.store, s, self.readahead, extra)
+        self.ops = Operations(self.ns, self.store, self.control, self.readahead,
+                              cache_mode=s.cache_mode)
         if s.cache_mode:
             self.evictor = FileEvictor(self.ops.remove_file, self.store.file_bytes)
             self.ops.evictor = self.evictor
@@ -79,6 +83,7 @@ class Assembly:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.demoter.run)
             nursery.start_soon(self.cleaner.run)
+            nursery.start_soon(self.readahead.run)
             nursery.start_soon(self._signals)
             # Enough request tasks that a slow NVMe read never holds up a DRAM hit.
             await pyfuse3.main(min_tasks=8, max_tasks=64)

@@ -6,6 +6,8 @@ visible, containers included, and needs no socket or port. Names:
     user.kvfs.status          (get, any inode) one JSON object: tiers, reads, moves, gc, ...
     user.kvfs.where[.START]   (get, a file) JSON: tiers of the file's chunks from START, a page
                               at a time ({"chunks": [...], "next": N or null})
+    user.kvfs.prefetch        (set, a file; any value) stage the file in DRAM: the engine will
+                              read it soon
 
 Other `user.kvfs.*` names (e.g. user.kvfs.dtype) are ordinary stored xattrs that act as hints.
 """
@@ -19,13 +21,14 @@ import time
 from kvfs.namespace import NamespaceError
 
 WHERE_PAGE = 256  # chunks per answer: keeps the JSON under the 64 KiB xattr limit
-VIRTUAL = (b"user.kvfs.status", b"user.kvfs.where")
+VIRTUAL = (b"user.kvfs.status", b"user.kvfs.where", b"user.kvfs.prefetch")
 
 
 class Control:
-    def __init__(self, ns, store, settings, extra_stats=()) -> None:
+    def __init__(self, ns, store, settings, readahead, extra_stats=()) -> None:
         self.ns = ns
         self.store = store
+        self.readahead = readahead
         self.settings = settings
         self.extra_stats = extra_stats  # callables returning {section: {...}}; may grow
         self.started = time.time()
@@ -37,6 +40,8 @@ class Control:
     def get(self, ino: int, name: bytes) -> bytes:
         if name == b"status":
             return json.dumps(self.status(), separators=(",", ":")).encode()
+        if name == b"prefetch":
+            raise NamespaceError(errno.ENODATA)  # write-only
         if name == b"where" or name.startswith(b"where."):
             start = 0
             if name != b"where":
@@ -48,6 +53,12 @@ class Control:
         raise NamespaceError(errno.ENODATA)
 
     def set(self, ino: int, name: bytes, value: bytes) -> None:
+        if name == b"prefetch":
+            inode = self.ns.get(ino)
+            if not inode.is_reg:
+                raise NamespaceError(errno.EISDIR if inode.is_dir else errno.EINVAL)
+            self.readahead.hint(ino, inode.size)
+            return
         raise NamespaceError(errno.EPERM)  # status and where are read-only
 
     def status(self) -> dict:

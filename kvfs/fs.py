@@ -47,6 +47,7 @@ CONTROL_PREFIX = b"user.kvfs."
 class Handle:
     ino: int
     flags: int
+    pid: int = 0
     # Chunks (chunk, seq) whose checksum this handle already verified: a sequence of small
     # reads checks each chunk once, not once per read.
     verified: set = field(default_factory=set)
@@ -86,11 +87,12 @@ class Operations(pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False
 
-    def __init__(self, ns: Namespace, store: ChunkStore, control, *, cache_mode: bool,
-                 evictor=None) -> None:
+    def __init__(self, ns: Namespace, store: ChunkStore, control, readahead, *,
+                 cache_mode: bool, evictor=None) -> None:
         super().__init__()
         self.ns = ns
         self.store = store
+        self.readahead = readahead
         self.control = control
         self.cache_mode = cache_mode
         self.evictor = evictor
@@ -128,6 +130,7 @@ class Operations(pyfuse3.Operations):
         if inode.nlink > 0 or inode.opens > 0:
             return
         if inode.is_reg:
+            self.readahead.forgotten(inode.ino)
             self.store.delete_file(inode.ino, inode.size)
             if inode.size:
                 inode.size = 0
@@ -241,9 +244,9 @@ class Operations(pyfuse3.Operations):
             self._maybe_free(replaced)
 
     # -- files -----------------------------------------------------------------------------
-    def _open_handle(self, inode: Inode, flags: int) -> pyfuse3.FileInfo:
+    def _open_handle(self, inode: Inode, flags: int, pid: int) -> pyfuse3.FileInfo:
         fh = next(self._fh)
-        self.handles[fh] = Handle(inode.ino, flags)
+        self.handles[fh] = Handle(inode.ino, flags, pid)
         inode.opens += 1
         if self.evictor is not None:
             self.evictor.touch(inode.ino)
@@ -263,13 +266,15 @@ class Operations(pyfuse3.Operations):
             node.size = 0
             node.mtime_ns = node.ctime_ns = time.time_ns()
             self.ns.save(node)
-        return self._open_handle(node, flags)
+        self.readahead.opened(inode, flags, node.size, ctx.pid)
+        return self._open_handle(node, flags, ctx.pid)
 
     @_errors
     async def create(self, parent_inode, name, mode, flags, ctx):
         node = self.ns.create(parent_inode, name, stat.S_IFREG | (mode & ~ctx.umask & 0o7777),
                               ctx.uid, ctx.gid)
-        fi = self._open_handle(node, flags)
+        self.readahead.created(node.ino, parent_inode, ctx.pid)
+        fi = self._open_handle(node, flags, ctx.pid)
         return fi, self._entry(node)
 
     def _check_direct(self, h: Handle, off: int, size: int) -> None:
@@ -281,6 +286,7 @@ class Operations(pyfuse3.Operations):
         h = self.handles[fh]
         self._check_direct(h, off, size)
         node = self.ns.get(h.ino)
+        self.readahead.read(h.ino, off, size, h.pid)
         return await self.store.read(h.ino, off, size, node.size, h.verified)
 
     @_errors
@@ -309,6 +315,7 @@ class Operations(pyfuse3.Operations):
         if node is None:
             return
         node.opens -= 1
+        self.readahead.closed(h.ino, h.pid)
         if node.nlink > 0:
             await self.store.seal(h.ino, node.size)
         self._maybe_free(node)

@@ -88,6 +88,10 @@ class Counters:
     user_bytes_written: int = 0  # record bytes written to NVMe for user data
     gc_bytes_written: int = 0
     read_latency_us: list[int] = field(default_factory=lambda: [0] * 24)  # log2 buckets
+    prefetch_issued: int = 0
+    prefetch_used: int = 0  # a prefetched chunk was read while in DRAM
+    prefetch_late: int = 0  # a demand read found its chunk's prefetch still in flight
+    prefetch_wasted: int = 0  # a prefetched chunk left DRAM unread
 
 
 class ChunkStore:
@@ -123,6 +127,13 @@ class ChunkStore:
         self.codec_hint: Callable[[int], str | None] = lambda ino: None
         self.kick_demoter: Callable[[], None] = lambda: None
         self.cleaner = None  # set by the assembly (store.gc.Cleaner)
+        # Placement: which stream a file's records go to (issue 5 classifies; default one).
+        self.stream_of: Callable[[int], int] = lambda ino: STREAM_USER
+        # Prefetch bookkeeping: chunks staged ahead of a read and not read yet, and in flight.
+        self.prefetched: set[tuple[int, int]] = set()
+        self._prefetching: set[tuple[int, int]] = set()
+        # Prefetch never takes the worker threads demand reads need.
+        self.prefetch_limiter = trio.CapacityLimiter(max(1, io_threads // 2))
         self.high_water = int(0.9 * dram_size)  # set by tiering; start demoting above it
         self.low_slots = self.dram.nslots // 10
         # Room kept free on NVMe so that cleaning always has somewhere to copy to.
@@ -232,6 +243,9 @@ class ChunkStore:
                                                        new.dram_slot != old.dram_slot):
             self.policy.removed(key)
             self.dirty_since.pop(key, None)
+            if key in self.prefetched:
+                self.prefetched.discard(key)
+                self.counters.prefetch_wasted += 1
             slot, length = old.dram_slot, old.raw_len
             self.meta.after_commit(lambda: self.dram.free(slot, length))
         if old is not None and old.seg and (new is None or (new.seg, new.off) !=
@@ -337,9 +351,13 @@ class ChunkStore:
                     if verified is not None:
                         verified.add((c, loc.seq))
                 self.policy.hit((ino, c))
+                if self.prefetched:
+                    self._prefetch_used((ino, c))
                 self.counters.chunks_from_dram += 1
                 self._record_latency(t0)
                 return _slice(view, start, length)
+            if (ino, c) in self._prefetching:
+                self.counters.prefetch_late += 1
             data = await self.fetch(ino, c, loc, promote=True)
             if data is None:
                 continue  # the chunk changed while we read it: start over
@@ -351,7 +369,34 @@ class ChunkStore:
         us = int((time.perf_counter() - t0) * 1e6)
         self.counters.read_latency_us[min(23, us.bit_length())] += 1
 
-    async def fetch(self, ino: int, c: int, loc: Loc, *, promote: bool) -> bytes | None:
+    def _prefetch_used(self, key: tuple[int, int]) -> None:
+        if key in self.prefetched:
+            self.prefetched.discard(key)
+            self.counters.prefetch_used += 1
+
+    async def prefetch(self, ino: int, c: int) -> bool:
+        """Stage an NVMe-only chunk in DRAM ahead of its read. True if it is in DRAM now."""
+        key = (ino, c)
+        loc = self.get(ino, c)
+        if loc is None or loc.dram_slot >= 0 or loc.flags & LOST or key in self._prefetching:
+            return loc is not None and loc.dram_slot >= 0
+        self.counters.prefetch_issued += 1
+        self._prefetching.add(key)
+        try:
+            await self.fetch(ino, c, loc, promote=True, limiter=self.prefetch_limiter)
+        except ChunkError as exc:
+            log.warning("prefetch: %s", exc)
+            return False
+        finally:
+            self._prefetching.discard(key)
+        now = self.get(ino, c)
+        if now is not None and now.dram_slot >= 0 and now.seq == loc.seq:
+            self.prefetched.add(key)
+            return True
+        return False
+
+    async def fetch(self, ino: int, c: int, loc: Loc, *, promote: bool,
+                    limiter: trio.CapacityLimiter | None = None) -> bytes | None:
         """Read an NVMe-only chunk (verified); with *promote*, keep a clean copy in DRAM if
         there is room. Returns None if the chunk changed meanwhile."""
         key = (ino, c)
@@ -364,7 +409,7 @@ class ChunkStore:
             seg = self.nvme.pin(loc.seg)
             try:
                 data = await trio.to_thread.run_sync(self._read_record, ino, c, loc, seg,
-                                                     limiter=self.limiter)
+                                                     limiter=limiter or self.limiter)
             finally:
                 self.nvme.unpin(seg)
             now = self.get(ino, c)
@@ -506,7 +551,7 @@ class ChunkStore:
     def _nchunks(self, size: int) -> int:
         return (size + self.cs - 1) // self.cs
 
-    async def writeback(self, key: tuple[int, int], *, drop: bool, stream: int = STREAM_USER
+    async def writeback(self, key: tuple[int, int], *, drop: bool, stream: int | None = None
                         ) -> bool:
         """Copy a dirty DRAM chunk to NVMe; with *drop*, free its DRAM slot afterwards.
         Returns False if the chunk changed meanwhile (the caller may retry)."""
@@ -518,6 +563,8 @@ class ChunkStore:
             if drop:
                 self.drop_dram_copy(key)
             return True
+        if stream is None:
+            stream = self.stream_of(ino)
         codec_id = self._file_codec.get(ino)
         view = self.dram.slot_view(loc.dram_slot, loc.raw_len)
         csum, codec_id, payload = await trio.to_thread.run_sync(
@@ -707,6 +754,9 @@ class ChunkStore:
                       "latency_us_log2_histogram": list(k.read_latency_us)},
             "moves": {"promotions": k.promotions, "demotions": k.demotions,
                       "writebacks": k.writebacks},
+            "prefetch": {"issued_chunks": k.prefetch_issued, "used_chunks": k.prefetch_used,
+                         "late_chunks": k.prefetch_late, "wasted_chunks": k.prefetch_wasted,
+                         "resident_unread_chunks": len(self.prefetched)},
             "gc": {"user_bytes_written": k.user_bytes_written,
                    "gc_bytes_written": k.gc_bytes_written,
                    "write_amplification": round(
