@@ -86,7 +86,7 @@ def test_mount_helper_and_umount(dirs):
 
 
 @pytest.mark.skipif(not os.path.exists("/sbin/mount.fuse.kvfs"),
-                    reason="mount.kvfs helpers not installed (make install)")
+                    reason="mount.kvfs helpers not installed (tools/install.sh)")
 def test_mount_t_fuse_kvfs_and_fstab(dirs, tmp_path):
     mnt, dram, nvme = dirs
     opts = f"dram_dir={dram},dram_size=8M,nvme_dir={nvme},nvme_size=256M"

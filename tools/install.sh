@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Sets kvfs up on a fresh Debian 12 machine (run as root), then optionally:
+#   tools/install.sh demo [MOUNTPOINT]   mount kvfs with its embedded defaults and show it working
+#   tools/install.sh test                run the test suite
+#   tools/install.sh                     only install
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+# FUSE 3 and its headers (pyfuse3 builds against them), a C compiler for the Cython index.
+pkgs="fuse3 libfuse3-dev pkg-config gcc"
+if ! dpkg -s $pkgs >/dev/null 2>&1 || ! command -v "$PYTHON" >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $pkgs python3 python3-dev python3-pip >/dev/null
+fi
+# Debian's own python refuses pip installs without this; a pyenv/venv python ignores it.
+export PIP_BREAK_SYSTEM_PACKAGES=1
+"$PYTHON" -m pip install -q --disable-pip-version-check -e '.[test]'
+
+# mount(8) looks for helpers in /sbin: `mount -t fuse.kvfs` and fstab lines need these.
+bindir=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
+for name in mount.kvfs mount.fuse.kvfs; do ln -sf "$bindir/mount.kvfs" "/sbin/$name"; done
+for name in kvfs kvfsctl fsck.kvfs; do
+    [ "$bindir/$name" -ef "/usr/local/bin/$name" ] || ln -sf "$bindir/$name" "/usr/local/bin/$name"
+done
+
+case "${1:-}" in
+    demo) exec "$PYTHON" tools/demo.py "${2:-/mnt/kv}" ;;
+    test) exec "$PYTHON" -m pytest -q tests ;;
+    "") echo "kvfs installed: kvfs mount /mnt/kv; kvfsctl status /mnt/kv" ;;
+    *) echo "usage: tools/install.sh [demo [MOUNTPOINT] | test]" >&2; exit 2 ;;
+esac
