@@ -4,13 +4,29 @@ KVFS_ONLY_EXT=kvfs._index (comma-separated) builds a subset, for working on one 
 """
 
 import os
+import subprocess
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
+
+
+def pkg_config(flag: str, package: str = "fuse3", default: str = "") -> list[str]:
+    try:
+        out = subprocess.run(["pkg-config", flag, package], capture_output=True, text=True,
+                             check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        out = default
+    return out.split()
+
+
 EXTENSIONS = [
     Extension("kvfs._index", ["native/_index.pyx"], extra_compile_args=["-O3"]),
     Extension("kvfs._shuffle", ["native/_shuffle.pyx"], extra_compile_args=["-O3"]),
+    # Adds fallocate() to pyfuse3's FUSE session (see the module docstring).
+    Extension("kvfs._fuseshim", ["native/_fuseshim.pyx"],
+              extra_compile_args=pkg_config("--cflags", default="-I/usr/include/fuse3"),
+              extra_link_args=pkg_config("--libs", default="-lfuse3") + ["-ldl"]),
 ]
 
 only = {name for name in os.environ.get("KVFS_ONLY_EXT", "").split(",") if name}

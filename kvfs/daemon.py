@@ -128,7 +128,23 @@ def mount(settings: Settings) -> int:
         os._exit(code)
 
 
+def _load_fallocate_shim():
+    """Load kvfs._fuseshim into the global symbol scope *before* pyfuse3, so that pyfuse3's
+    session is created by its fuse_session_new and gains a fallocate handler."""
+    flags = sys.getdlopenflags()
+    sys.setdlopenflags(os.RTLD_NOW | os.RTLD_GLOBAL)
+    try:
+        from kvfs import _fuseshim
+    except ImportError as exc:
+        log.warning("fallocate support unavailable: %s", exc)
+        return None
+    finally:
+        sys.setdlopenflags(flags)
+    return _fuseshim
+
+
 def _serve(s: Settings, ready_fd: int | None) -> int:
+    shim = _load_fallocate_shim()
     import pyfuse3
 
     from kvfs.assemble import Assembly
@@ -144,6 +160,8 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         if lock is not None:
             os.close(lock)
         return 1
+    if shim is not None:
+        shim.set_fallocate_handler(asm.ops.fallocate_sync)
     options = set(pyfuse3.default_options)
     options |= {"fsname=kvfs", "subtype=kvfs"}
     if s.allow_other:
@@ -157,9 +175,10 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         _tell(ready_fd, f"error: mounting {s.mountpoint} failed: {exc}")
         os.close(lock)
         return 1
-    log.info("mounted %s (DRAM %s in %s, NVMe %s in %s, chunk %s)", s.mountpoint,
-             format_size(s.dram_size), s.dram_dir, format_size(s.nvme_size), s.nvme_dir,
-             format_size(asm.store.cs))
+    log.info("mounted %s (DRAM %s in %s, NVMe %s in %s, chunk %s, fallocate %s)",
+             s.mountpoint, format_size(s.dram_size), s.dram_dir, format_size(s.nvme_size),
+             s.nvme_dir, format_size(asm.store.cs),
+             "on" if shim is not None and shim.active() else "off")
     _tell(ready_fd, "ok")
     _notify_systemd(b"READY=1")
     code = 0

@@ -41,6 +41,7 @@ MAX_FILE_SIZE = 1 << 50
 XATTR_SIZE_MAX = 65536
 BLOCK_SIZE = 4096  # st_blksize and f_bsize: what stdio and O_DIRECT users align to
 CONTROL_PREFIX = b"user.kvfs."
+FALLOC_FL_KEEP_SIZE = 0x01
 
 
 @dataclass
@@ -400,6 +401,40 @@ class Operations(pyfuse3.Operations):
     @_errors
     async def removexattr(self, inode, name, ctx):
         self.ns.removexattr(inode, name)
+
+    # -- fallocate (called synchronously by kvfs._fuseshim, not by pyfuse3) ------------------
+    def fallocate_sync(self, ino: int, mode: int, offset: int, length: int, fh: int) -> int:
+        """fallocate(2) on the FUSE thread; returns an errno (0 = success).
+
+        Mode 0 and FALLOC_FL_KEEP_SIZE are supported: kvfs allocates on write, so this checks
+        that the range fits in the free space now (ENOSPC otherwise) and, for mode 0, extends
+        the file. The space is not reserved: a later write can still meet ENOSPC if others
+        filled the tier meanwhile. Punching and zeroing ranges answer EOPNOTSUPP, as on
+        filesystems without them."""
+        try:
+            node = self.ns.get(ino)
+            if not node.is_reg:
+                return errno.ENODEV if not node.is_dir else errno.EISDIR
+            if mode & ~FALLOC_FL_KEEP_SIZE:
+                return errno.EOPNOTSUPP
+            if offset < 0 or length <= 0:
+                return errno.EINVAL
+            end = offset + length
+            if end > MAX_FILE_SIZE:
+                return errno.EFBIG
+            stored = self.store.file_bytes.get(ino, 0)
+            if self.store.used + max(0, min(end, MAX_FILE_SIZE) - stored) > self.store.capacity:
+                return errno.ENOSPC
+            if not mode & FALLOC_FL_KEEP_SIZE and end > node.size:
+                node.size = end
+                node.mtime_ns = node.ctime_ns = time.time_ns()
+                self.ns.save(node)
+            return 0
+        except NamespaceError as exc:
+            return exc.errno
+        except Exception:
+            log.exception("fallocate failed")
+            return errno.EIO
 
     # -- cache-mode eviction -----------------------------------------------------------------
     def remove_file(self, ino: int) -> bool:

@@ -275,3 +275,18 @@ def test_concurrent_pwrite_pread_one_file(kv):
         t.join()
     os.close(fd)
     assert errors == []
+
+
+def test_fallocate_mode0(kv):
+    p = str(kv.path / "falloc")
+    fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
+    os.posix_fallocate(fd, 0, 3 << 20)
+    assert os.fstat(fd).st_size == 3 << 20
+    assert os.pread(fd, 100, 1 << 20) == bytes(100)
+    os.pwrite(fd, b"k" * 4096, 2 << 20)
+    assert os.pread(fd, 4096, 2 << 20) == b"k" * 4096
+    with pytest.raises(OSError) as ei:
+        os.posix_fallocate(fd, 0, 1 << 40)  # more than the tier holds
+    assert ei.value.errno == errno.ENOSPC
+    assert os.fstat(fd).st_size == 3 << 20
+    os.close(fd)
