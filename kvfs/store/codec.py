@@ -67,6 +67,18 @@ import zstandard
 
 from kvfs import _shuffle
 
+__all__ = [
+    "CODEC_NAMES",
+    "CODEC_RAW",
+    "CODEC_SHUF2",
+    "CODEC_SHUF2_ROT1",
+    "CODEC_SHUF4",
+    "CODEC_ZSTD",
+    "Codec",
+    "CodecError",
+    "CodecPolicy",
+]
+
 log = logging.getLogger(__name__)
 
 CODEC_RAW = 0
@@ -334,6 +346,13 @@ class Codec:
         raw_len = len(mv)
         n = raw_len // 2
         tail = raw_len - 2 * n
+        if raw_len >= 2 * _PROBE_PIECE:
+            # An incompressible chunk in a compressible file (random, encrypted): if 8 KiB from
+            # its middle have a random high byte, store it raw now (~2 us) instead of finding out
+            # by compressing everything. KV data sits far below (fp16 ~5.7 bits, bf16 ~2.8).
+            mid = raw_len // 4 * 2
+            if _shuffle.u16_entropy(mv[mid - _PROBE_PIECE // 2 : mid + _PROBE_PIECE // 2], 8) > 7.9:
+                return CODEC_RAW, mv
         seg_log2 = self.policy.segment_log2
         seg = 1 << seg_log2
         nseg = -(-n // seg)
@@ -492,17 +511,7 @@ class Codec:
         return out
 
     def _unzstd(self, frame: memoryview, size: int) -> bytes:
-        if size == 0:
-            raise CodecError("zstd frame for an empty plane")
-        # we always record the content size; checking it first also keeps a corrupt header from
-        # making zstd allocate a huge buffer when verify is off
-        declared = zstandard.frame_content_size(frame)
-        if declared != size:
-            raise CodecError(f"zstd frame declares {declared} bytes, expected {size}")
-        out = self._local.dctx.decompress(frame)
-        if len(out) != size:
-            raise CodecError(f"zstd frame decoded to {len(out)} bytes, expected {size}")
-        return out
+        return _unzstd_frame(self._local.dctx, frame, size)
 
     def _decode_planar(self, codec: int, body: memoryview, raw_len: int) -> bytearray:
         k, rot, _ = self._plans[codec]
@@ -520,8 +529,9 @@ class Codec:
             if not _SEG_LOG2_MIN <= seg_log2 <= _SEG_LOG2_MAX:
                 raise CodecError(f"bad segment size 2**{seg_log2}")
             seg = 1 << seg_log2
-        # each plane: one contiguous buffer, or a list of per-segment buffers
-        planes: list[memoryview | bytes | list[bytes]] = []
+        # each plane: a contiguous buffer (raw: read in place; mode 1: decompressed), or for mode 2
+        # the list of its compressed frames, decompressed one at a time below while being joined
+        planes: list[memoryview | bytes | list[memoryview]] = []
         off = hdr.size
         for mode, length in zip(modes, lengths, strict=True):
             section = body[off : off + length]
@@ -529,51 +539,74 @@ class Codec:
             if mode == _MODE_RAW:
                 if length != n:
                     raise CodecError(f"raw plane is {length} bytes, expected {n}")
-                planes.append(section)  # read in place: no copy
+                planes.append(section)
             elif mode == _MODE_ZSTD:
                 planes.append(self._unzstd(section, n))
             elif mode == _MODE_ZSTD_SEG:
-                planes.append(self._unzstd_segments(section, n, seg))
+                planes.append(_frames_of(section, n, seg))
             else:
                 raise CodecError(f"unknown plane mode {mode}")
         out = _shuffle.empty_bytearray(raw_len)  # every byte is written below
         omv = memoryview(out)
-        if k == 2:
+        if k == 2 and seg:
+            # segment by segment: the 64 KiB just decompressed is joined while still in cache
             lo, hi = planes
-            if seg == 0 or n <= seg:
-                _shuffle.join2(_seg_of(lo, 0, 0, n), _seg_of(hi, 0, 0, n), omv[: 2 * n], rot)
-            else:
-                # join segment by segment straight from the decompressed frames: no plane copy
-                for i, a in enumerate(range(0, n, seg)):
-                    b = min(n, a + seg)
-                    _shuffle.join2(
-                        _seg_of(lo, i, a, b), _seg_of(hi, i, a, b), omv[2 * a : 2 * b], rot
-                    )
+            dctx = self._local.dctx
+            for i, a in enumerate(range(0, n, seg)):
+                b = min(n, a + seg)
+                if isinstance(lo, list):
+                    lo_i = _unzstd_frame(dctx, lo[i], b - a)
+                else:
+                    lo_i = memoryview(lo)[a:b]
+                if isinstance(hi, list):
+                    hi_i = _unzstd_frame(dctx, hi[i], b - a)
+                else:
+                    hi_i = memoryview(hi)[a:b]
+                _shuffle.join2(lo_i, hi_i, omv[2 * a : 2 * b], rot)
+        elif k == 2:
+            _shuffle.join2(planes[0], planes[1], omv[: 2 * n], rot)
         else:
             buf = self._local.scratch_view(n * k)
             for j, p in enumerate(planes):
                 if isinstance(p, list):
-                    buf[j * n : (j + 1) * n] = b"".join(p)
-                else:
-                    buf[j * n : (j + 1) * n] = p
+                    dctx = self._local.dctx
+                    p = b"".join(
+                        _unzstd_frame(dctx, f, min(seg, n - i * seg)) for i, f in enumerate(p)
+                    )
+                buf[j * n : (j + 1) * n] = p
             _shuffle.unshuffle(buf, omv[: n * k], k)
         if tail:
             omv[n * k :] = body[len(body) - tail :]
         return out
 
-    def _unzstd_segments(self, section: memoryview, n: int, seg: int) -> list[bytes]:
-        nseg = -(-n // seg)
-        if len(section) < 4 * nseg:
-            raise CodecError("segment table truncated")
-        sizes = struct.unpack_from(f"<{nseg}I", section)
-        if 4 * nseg + sum(sizes) != len(section):
-            raise CodecError("segment lengths do not add up to the section size")
-        frames: list[bytes] = []
-        off = 4 * nseg
-        for i, size in enumerate(sizes):
-            frames.append(self._unzstd(section[off : off + size], min(seg, n - i * seg)))
-            off += size
-        return frames
+
+def _frames_of(section: memoryview, n: int, seg: int) -> list[memoryview]:
+    """The compressed frames of a mode-2 section (checked to fill it exactly)."""
+    nseg = -(-n // seg)
+    if len(section) < 4 * nseg:
+        raise CodecError("segment table truncated")
+    sizes = struct.unpack_from(f"<{nseg}I", section)
+    if 4 * nseg + sum(sizes) != len(section):
+        raise CodecError("segment lengths do not add up to the section size")
+    frames = []
+    off = 4 * nseg
+    for size in sizes:
+        frames.append(section[off : off + size])
+        off += size
+    return frames
+
+
+def _unzstd_frame(dctx: zstandard.ZstdDecompressor, frame: memoryview, size: int) -> bytes:
+    """Decompress one zstd frame that must hold exactly size bytes."""
+    # we always record the content size; checking it first also keeps a corrupt header from
+    # making zstd allocate a huge buffer when verify is off
+    declared = zstandard.frame_content_size(frame)
+    if declared != size or size == 0:
+        raise CodecError(f"zstd frame declares {declared} bytes, expected {size}")
+    out = dctx.decompress(frame)
+    if len(out) != size:
+        raise CodecError(f"zstd frame decoded to {len(out)} bytes, expected {size}")
+    return out
 
 
 def _looks_random(mv: memoryview) -> bool:
@@ -590,10 +623,3 @@ def _family2(mv: memoryview) -> int:
     h_plain = _shuffle.u16_entropy(mv, 8)
     h_rot = _shuffle.u16_entropy(mv, 7)
     return CODEC_SHUF2_ROT1 if h_rot < h_plain - 0.025 else CODEC_SHUF2
-
-
-def _seg_of(plane: memoryview | bytes | list[bytes], i: int, a: int, b: int) -> memoryview | bytes:
-    """Bytes [a, b) of a plane, which is segment i if the plane is stored as segments."""
-    if isinstance(plane, list):
-        return plane[i]
-    return memoryview(plane)[a:b]
