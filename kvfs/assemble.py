@@ -20,6 +20,7 @@ from kvfs.store.chunkstore import ChunkStore
 from kvfs.store.codec import Codec, CodecPolicy
 from kvfs.store.gc import Cleaner
 from kvfs.store.meta import MetaStore
+from kvfs.store.streams import LifetimeClassifier, StreamTable
 from kvfs.tiering import Demoter, DramPolicy, FileEvictor
 
 log = logging.getLogger(__name__)
@@ -44,12 +45,17 @@ class Assembly:
         self.store = ChunkStore(
             self.meta, sb["uuid"], chunk_size=sb["chunk_size"], dram_dir=s.dram_dir,
             dram_size=s.dram_size, nvme_dir=s.nvme_dir, nvme_size=s.nvme_size,
-            segment_size=sb["segment_size"], codec=Codec(CodecPolicy(enabled=s.compress)),
+            segment_size=sb["segment_size"],
+            # verify=False: the store checks the xxh3 of every decoded chunk itself
+            codec=Codec(CodecPolicy(enabled=s.compress, verify=False)),
             io_threads=s.io_threads, policy=self.policy)
         self.ns = Namespace(self.meta)
         self.evictor = None
         extra = []
-        self.readahead = Readahead(self.store, depth=s.readahead_chunks)
+        self.store.prefetch_limiter.total_tokens = s.prefetch_concurrency
+        self.readahead = Readahead(
+            self.store, depth=s.readahead_chunks, enabled=s.prefetch,
+            bandwidth=s.prefetch_bandwidth, size_of=self._size_of)
         extra.append(self.readahead.stats)
         self.control = Control(self.ns, self.store, s, self.readahead, extra)
         self.ops = Operations(self.ns, self.store, self.control, self.readahead,
@@ -67,13 +73,26 @@ class Assembly:
         self.demoter = Demoter(self.store, high=s.dram_high_watermark, low=s.dram_low_watermark,
                                writeback_age=WRITEBACK_AGE_S)
         self.store.kick_demoter = self.demoter.kick
-        self.cleaner = Cleaner(self.store)
+        # Placement streams (issue 5): classify files, hint segment files, clean per stream.
+        self.streams = StreamTable.make(s.streams)
+        self.classifier = LifetimeClassifier(
+            self.ns, self.streams, lambda: self.store.counters.user_bytes_written,
+            self.store.nvme.capacity)
+        self.store.stream_of = self.classifier.stream_of
+        self.store.file_deleted = self.classifier.deleted
+        self.store.nvme.stream_hints = dict(enumerate(self.streams.hints))
+        self.cleaner = Cleaner(self.store, self.streams)
         self.store.cleaner = self.cleaner
+        extra += [self.cleaner.stats, self.classifier.stats]
         self.store.high_water = int(s.dram_high_watermark * s.dram_size)
         # Files unlinked while open when the daemon last stopped: nobody can reach them now.
         for inode in self.ns.orphans():
             self.store.delete_file(inode.ino, inode.size)
             self.ns.forget_inode(inode)
+
+    def _size_of(self, ino: int) -> int | None:
+        inode = self.ns.inodes.get(ino)
+        return inode.size if inode is not None and inode.is_reg else None
 
     def _dtype_hint(self, ino: int) -> str | None:
         value = self.ns.getxattr(ino, b"user.kvfs.dtype")

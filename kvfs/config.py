@@ -70,7 +70,7 @@ class Settings:
     """All knobs of one mount. String sizes are resolved by `resolve()`."""
 
     mountpoint: str = ""
-    # DRAM tier: an arena of sparse files on tmpfs; it outlives the daemon, so a crash loses nothing.
+    # DRAM tier: a sparse arena file on tmpfs; it outlives the daemon, so a crash loses nothing.
     dram_dir: str = DEFAULT_DRAM_DIR
     # 25% of available RAM: enough to hold the hot set without starving the inference engine.
     dram_size: str | int = "25%"
@@ -95,6 +95,15 @@ class Settings:
     io_threads: int = 8
     # Prefetch: chunks staged ahead of the reader (whole-file readahead on open).
     readahead_chunks: int = 16
+    # Prediction-driven prefetch (issue 3); off: plain SLRU tiering, nothing prefetched.
+    prefetch: bool = True
+    # Prefetch bandwidth cap in bytes/s (0: none); demand reads always go first anyway.
+    prefetch_bandwidth: str | int = 0
+    # Prefetches in flight at most, on threads of their own (demand reads never wait for
+    # them); a prefetch takes many DRAM hits' time, so several must run to keep ahead.
+    prefetch_concurrency: int = 8
+    # NVMe placement streams (1-5): short, gc, long, medium, cold; see kvfs/store/streams.py.
+    streams: int = 4
     log_file: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -113,6 +122,7 @@ class Settings:
             )
         s.dram_size = parse_size(self.dram_size, base=_mem_available(), what="dram_size")
         s.nvme_size = parse_size(self.nvme_size, base=_free_bytes(self.nvme_dir), what="nvme_size")
+        s.prefetch_bandwidth = parse_size(self.prefetch_bandwidth, what="prefetch_bandwidth")
         if s.dram_size < 4 * s.chunk_size:
             raise ConfigError(f"dram_size must hold at least 4 chunks, not {self.dram_size}")
         if s.nvme_size < 4 * s.segment_size:
@@ -124,14 +134,18 @@ class Settings:
             raise ConfigError("need 0 < dram_low_watermark < dram_high_watermark <= 1")
         if s.io_threads < 1:
             raise ConfigError("io_threads must be >= 1")
+        if s.prefetch_concurrency < 1:
+            raise ConfigError("prefetch_concurrency must be >= 1")
+        if not 1 <= s.streams <= 5:
+            raise ConfigError(f"streams must be between 1 and 5, not {s.streams}")
         s.dram_dir = os.path.abspath(self.dram_dir)
         s.nvme_dir = os.path.abspath(self.nvme_dir)
         return s
 
 
-_BOOL_OPTIONS = {"cache_mode", "foreground", "debug", "allow_other", "compress"}
+_BOOL_OPTIONS = {"cache_mode", "foreground", "debug", "allow_other", "compress", "prefetch"}
 _FLOAT_OPTIONS = {"dram_high_watermark", "dram_low_watermark"}
-_INT_OPTIONS = {"io_threads", "readahead_chunks"}
+_INT_OPTIONS = {"io_threads", "readahead_chunks", "streams", "prefetch_concurrency"}
 # Generic mount options that mount(8) passes along and kvfs has nothing to do with.
 IGNORED_MOUNT_OPTIONS = {"rw", "defaults", "auto", "noauto", "user", "nouser", "nofail", "_netdev",
                          "dev", "nodev", "suid", "nosuid", "exec", "noexec", "atime", "noatime",

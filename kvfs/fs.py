@@ -115,7 +115,7 @@ class Operations(pyfuse3.Operations):
         a.st_rdev = inode.rdev
         a.st_size = inode.size
         a.st_blksize = BLOCK_SIZE
-        a.st_blocks = (self.store.file_bytes.get(inode.ino, 0) + 511) // 512
+        a.st_blocks = (self.store.blocks_bytes(inode.ino) + 511) // 512
         a.st_atime_ns = inode.atime_ns
         a.st_mtime_ns = inode.mtime_ns
         a.st_ctime_ns = inode.ctime_ns
@@ -297,12 +297,14 @@ class Operations(pyfuse3.Operations):
         end = off + len(buf)
         if end > MAX_FILE_SIZE:
             raise pyfuse3.FUSEError(errno.EFBIG)
-        await self._space_retry(lambda: self.store.write(h.ino, off, buf), len(buf))
-        node = self.ns.get(h.ino)
-        if end > node.size:
-            node.size = end
-        node.mtime_ns = node.ctime_ns = time.time_ns()
-        self.ns.save(node)
+        def grow_inode() -> None:  # runs in the store's commit of the last piece
+            node = self.ns.get(h.ino)
+            if end > node.size:
+                node.size = end
+            node.mtime_ns = node.ctime_ns = time.time_ns()
+            self.ns.save(node)
+
+        await self._space_retry(lambda: self.store.write(h.ino, off, buf, grow_inode), len(buf))
         return len(buf)
 
     @_errors
@@ -406,11 +408,9 @@ class Operations(pyfuse3.Operations):
     def fallocate_sync(self, ino: int, mode: int, offset: int, length: int, fh: int) -> int:
         """fallocate(2) on the FUSE thread; returns an errno (0 = success).
 
-        Mode 0 and FALLOC_FL_KEEP_SIZE are supported: kvfs allocates on write, so this checks
-        that the range fits in the free space now (ENOSPC otherwise) and, for mode 0, extends
-        the file. The space is not reserved: a later write can still meet ENOSPC if others
-        filled the tier meanwhile. Punching and zeroing ranges answer EOPNOTSUPP, as on
-        filesystems without them."""
+        Mode 0 and FALLOC_FL_KEEP_SIZE reserve room for the range's holes (counted in statvfs
+        and st_blocks), so later writes there cannot fail with ENOSPC; mode 0 also extends the
+        file. Punching and zeroing ranges answer EOPNOTSUPP, as on filesystems without them."""
         try:
             node = self.ns.get(ino)
             if not node.is_reg:
@@ -422,9 +422,9 @@ class Operations(pyfuse3.Operations):
             end = offset + length
             if end > MAX_FILE_SIZE:
                 return errno.EFBIG
-            stored = self.store.file_bytes.get(ino, 0)
-            if self.store.used + max(0, min(end, MAX_FILE_SIZE) - stored) > self.store.capacity:
+            if length > self.store.capacity:
                 return errno.ENOSPC
+            self.store.allocate(ino, offset, length)
             if not mode & FALLOC_FL_KEEP_SIZE and end > node.size:
                 node.size = end
                 node.mtime_ns = node.ctime_ns = time.time_ns()
@@ -432,6 +432,8 @@ class Operations(pyfuse3.Operations):
             return 0
         except NamespaceError as exc:
             return exc.errno
+        except NoSpace:
+            return errno.ENOSPC
         except Exception:
             log.exception("fallocate failed")
             return errno.EIO

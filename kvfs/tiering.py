@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import trio
 
@@ -32,6 +32,13 @@ class DramPolicy:
         self.probation: OrderedDict[Key, None] = OrderedDict()
         self.protected: OrderedDict[Key, None] = OrderedDict()
         self.protected_limit = max(1, int(PROTECTED_SHARE * capacity_chunks))
+        # Readahead's answers (issue 3; both stay "no" with prediction off: plain SLRU).
+        # keep(key): predicted to be read soon - victims pass over it while others are left.
+        # cheap(key): this read was predicted early enough that prediction will stage the
+        # chunk again in time - a hit protects it at the cold end of protected, so it is
+        # the first to fall back (reads nothing predicts keep their place).
+        self.keep: Callable[[Key], bool] = _no
+        self.cheap: Callable[[Key], bool] = _no
 
     def __len__(self) -> int:
         return len(self.probation) + len(self.protected)
@@ -49,6 +56,8 @@ class DramPolicy:
             return
         del self.probation[key]
         self.protected[key] = None
+        if self.cheap(key):
+            self.protected.move_to_end(key, last=False)  # protected, but the first to go
         while len(self.protected) > self.protected_limit:
             old, _ = self.protected.popitem(last=False)
             self.probation[old] = None
@@ -58,17 +67,32 @@ class DramPolicy:
         self.protected.pop(key, None)
 
     def victims(self) -> Iterator[Key]:
-        """Keys in eviction order (a snapshot: safe while the caller changes the policy)."""
-        yield from list(self.probation)
-        yield from list(self.protected)
+        """Keys in eviction order (a snapshot: safe while the caller changes the policy).
+        Keys readahead wants kept come last."""
+        kept = []
+        for key in list(self.probation) + list(self.protected):
+            if self.keep(key):
+                kept.append(key)
+            else:
+                yield key
+        yield from kept
 
     def next_victim(self, skip: set[Key]) -> Key | None:
-        """The coldest key not in *skip*, looking at the live queues."""
+        """The coldest key not in *skip*, looking at the live queues; a key readahead wants
+        kept only if there is no other."""
+        kept = None
         for queue in (self.probation, self.protected):
             for key in queue:
                 if key not in skip:
-                    return key
-        return None
+                    if not self.keep(key):
+                        return key
+                    if kept is None:
+                        kept = key
+        return kept
+
+
+def _no(key: Key) -> bool:
+    return False
 
 
 class Demoter:

@@ -290,3 +290,25 @@ def test_fallocate_mode0(kv):
     assert ei.value.errno == errno.ENOSPC
     assert os.fstat(fd).st_size == 3 << 20
     os.close(fd)
+
+
+def test_fallocate_reserves_space(kv):
+    st0 = os.statvfs(kv.path)
+    fd = os.open(kv.path / "reserved", os.O_CREAT | os.O_RDWR, 0o644)
+    os.posix_fallocate(fd, 0, 16 << 20)
+    assert os.fstat(fd).st_blocks * 512 >= 16 << 20
+    st1 = os.statvfs(kv.path)
+    assert (st0.f_bavail - st1.f_bavail) * st1.f_frsize >= 16 << 20
+    filled = 0
+    with pytest.raises(OSError) as ei:  # fill everything else
+        for i in range(1000):
+            (kv.path / f"fill{i}").write_bytes(os.urandom(1 << 20))
+            filled += 1
+    assert ei.value.errno == errno.ENOSPC
+    blob = os.urandom(8 << 20)
+    os.pwrite(fd, blob, 4 << 20)  # inside the reservation: must not fail
+    assert os.pread(fd, 8 << 20, 4 << 20) == blob
+    os.close(fd)
+    os.unlink(kv.path / "reserved")
+    time.sleep(0.5)
+    (kv.path / "after").write_bytes(os.urandom(4 << 20))  # the reservation is returned

@@ -2,6 +2,7 @@
 
     kvfsctl status MOUNTPOINT [--json]     tiers, capacities, chunk counts, hit counters
     kvfsctl where PATH [--json]            which tier holds each chunk of a file
+    kvfsctl prefetch PATH...               stage files in DRAM: they will be read soon
 
 It talks to the daemon through virtual xattrs on the mount (see kvfs/control.py), so it works
 wherever the mount is visible.
@@ -57,22 +58,73 @@ def print_status(st: dict) -> None:
     hit = f"{100 * r['chunks_from_dram'] / total:.1f}%" if total else "-"
     print(f"reads: {r['chunks_from_dram']} chunks from DRAM, {r['chunks_from_nvme']} from NVMe "
           f"(DRAM hit rate {hit}), {r['checksum_errors']} checksum errors")
+    lat = [f"{name} p50 {_percentile(r.get(f'{name}_latency_us_log2_histogram'), 0.5)}"
+           f" p99 {_percentile(r.get(f'{name}_latency_us_log2_histogram'), 0.99)}"
+           for name in ("dram", "nvme") if f"{name}_latency_us_log2_histogram" in r]
+    if lat:
+        print(f"read latency (us, log2 buckets): {', '.join(lat)}")
     pf = st.get("prefetch")
     if pf:
         used, issued = pf.get("used_chunks", 0), pf.get("issued_chunks", 0)
-        print(f"prefetch: {issued} issued, {used} used, {pf.get('late_chunks', 0)} late, "
+        state = "" if pf.get("enabled", True) else " (prediction off)"
+        print(f"prefetch{state}: {issued} issued, {used} used, {pf.get('late_chunks', 0)} late, "
               f"{pf.get('wasted_chunks', 0)} wasted (accuracy "
-              f"{f'{100 * used / issued:.1f}%' if issued else '-'})")
+              f"{f'{100 * used / issued:.1f}%' if issued else '-'}, DRAM hit rate {hit})")
+        if pf.get("enabled"):
+            print(f"prefetch depth {pf.get('depth_chunks')} chunks, lead {pf.get('lead_chunks')},"
+                  f" latency {pf.get('fetch_latency_us')} us, "
+                  f"{pf.get('resident_unread_chunks', 0)} staged unread")
     m = st["moves"]
     print(f"moves: {m['demotions']} demotions, {m['writebacks']} writebacks, "
           f"{m['promotions']} promotions")
     g = st["gc"]
     print(f"nvme writes: user {format_size(g['user_bytes_written'])}, gc "
           f"{format_size(g['gc_bytes_written'])}, write amplification {g['write_amplification']}")
+    if st.get("streams"):
+        print(f"  {'stream':8} {'hint':8} {'segments':>8} {'live':>10} {'dead':>10} "
+              f"{'user written':>12} {'gc copied out':>13} {'WA':>7}")
+        for name, s in st["streams"].items():
+            hint = (s["write_hint"] or "-") + ("" if s["hint_accepted"] is not False else "!")
+            wa = "-" if s["write_amplification"] is None else f"{s['write_amplification']:.3f}"
+            print(f"  {name:8} {hint:8} {s['segments']:>8} {format_size(s['live_bytes']):>10} "
+                  f"{format_size(s['dead_bytes']):>10} "
+                  f"{format_size(s['user_bytes_written']):>12} "
+                  f"{format_size(s['gc_bytes_copied_out']):>13} {wa:>7}")
+        h = g.get("write_hints", {})
+        print(f"  write-life hints kept by the kernel: {h.get('kernel_accepted')}; device "
+              f"write streams: {h.get('device_write_streams')}; discard: "
+              f"{h.get('device_discard')}")
     if "evictions" in st:
         e = st["evictions"]
         print(f"cache-mode evictions: {e['files']} files, {format_size(e['bytes'])}")
     print(f"files: {st['files']}, uptime {st['uptime_s']}s")
+
+
+def _percentile(hist: list[int] | None, q: float) -> str:
+    """Upper bound of the log2 bucket holding quantile *q* (bucket i: < 2**i us)."""
+    total = sum(hist or ())
+    if not total:
+        return "-"
+    seen = 0
+    for i, n in enumerate(hist):
+        seen += n
+        if seen >= q * total:
+            return f"<{1 << i}"
+    return "-"
+
+
+def prefetch(paths: list[str]) -> int:
+    """Set user.kvfs.prefetch on each path; returns the exit code."""
+    import os
+
+    code = 0
+    for path in paths:
+        try:
+            os.setxattr(path, "user.kvfs.prefetch", b"1")
+        except OSError as exc:
+            print(f"kvfsctl: {path}: {exc.strerror}", file=sys.stderr)
+            code = 1
+    return code
 
 
 def print_where(w: dict) -> None:
@@ -93,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("where", help="the tier(s) of each chunk of a file")
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p = sub.add_parser("prefetch", help="stage files in DRAM ahead of reading them")
+    p.add_argument("paths", nargs="+", metavar="PATH")
     args = parser.parse_args(argv)
     if args.command == "status":
         st = get_status(args.mountpoint)
@@ -100,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "where":
         w = get_where(args.path)
         print(json.dumps(w, indent=1)) if args.json else print_where(w)
+    elif args.command == "prefetch":
+        return prefetch(args.paths)
     return 0
 
 

@@ -52,7 +52,8 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated key=value options, as in fstab: dram_dir=, "
                         "dram_size=, nvme_dir=, nvme_size=, chunk_size=, segment_size=, "
                         "cache_mode, nocompress, dram_high_watermark=, dram_low_watermark=, "
-                        "io_threads=, readahead_chunks=")
+                        "io_threads=, readahead_chunks=, prefetch= (0 turns prediction off), "
+                        "prefetch_bandwidth=, streams= (1-5 NVMe placement streams)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

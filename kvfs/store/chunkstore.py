@@ -36,9 +36,9 @@ import xxhash
 
 from kvfs._index import ChunkIndex
 from kvfs.store.codec import CODEC_RAW, Codec, CodecError
-from kvfs.store.dram import DramArena, DramFull, pages
-from kvfs.store.meta import MetaStore, from_key2, key2
-from kvfs.store.nvme import NvmeLog, RecordError, RecordHeader, record_length
+from kvfs.store.dram import DramArena, pages
+from kvfs.store.meta import MetaStore, from_key2, from_u64, key2, u64
+from kvfs.store.nvme import NvmeFull, NvmeLog, RecordError, RecordHeader, record_length
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ LOST = 2  # the only copy was in DRAM and DRAM was lost (reboot): reads fail wit
 STREAM_USER = 0
 STREAM_GC = 1
 _LOC = struct.Struct("<qIQIIIBBQQ")
+# Hashing this much inline (~30 us) is cheaper than a round trip to a worker thread.
+INLINE_HASH_BYTES = 512 << 10
 
 
 class Loc(NamedTuple):
@@ -88,6 +90,8 @@ class Counters:
     user_bytes_written: int = 0  # record bytes written to NVMe for user data
     gc_bytes_written: int = 0
     read_latency_us: list[int] = field(default_factory=lambda: [0] * 24)  # log2 buckets
+    read_latency_dram_us: list[int] = field(default_factory=lambda: [0] * 24)  # DRAM hits
+    read_latency_nvme_us: list[int] = field(default_factory=lambda: [0] * 24)  # NVMe reads
     prefetch_issued: int = 0
     prefetch_used: int = 0  # a prefetched chunk was read while in DRAM
     prefetch_late: int = 0  # a demand read found its chunk's prefetch still in flight
@@ -119,6 +123,8 @@ class ChunkStore:
         self.unbacked = 0  # DRAM pages that have no NVMe copy yet (count against capacity)
         self.dirty_since: dict[tuple[int, int], float] = {}
         self.file_bytes: dict[int, int] = {}
+        self.allocated: dict[int, int] = {}  # fallocate()d bytes per file
+        self.reserved = 0  # sum of reservation(ino): promised room not yet written
         self.seq = 0
         self.space_waiters = 0
         self._space = trio.Event()
@@ -129,6 +135,7 @@ class ChunkStore:
         self.cleaner = None  # set by the assembly (store.gc.Cleaner)
         # Placement: which stream a file's records go to (issue 5 classifies; default one).
         self.stream_of: Callable[[int], int] = lambda ino: STREAM_USER
+        self.file_deleted: Callable[[int], None] = lambda ino: None  # lifetime learning
         # Prefetch bookkeeping: chunks staged ahead of a read and not read yet, and in flight.
         self.prefetched: set[tuple[int, int]] = set()
         self._prefetching: set[tuple[int, int]] = set()
@@ -144,6 +151,8 @@ class ChunkStore:
     def _load(self) -> None:
         with self.meta.env.begin() as txn:
             self.seq = self.meta.counter(txn, b"next_seq", 1)
+        for k, v in self.meta.scan("alloc"):
+            self.allocated[from_u64(k)] = from_u64(v)
         slots: dict[int, int] = {}
         lost_dram = not self.dram.survived
         fixes: list[tuple[int, int, Loc | None]] = []
@@ -183,6 +192,7 @@ class ChunkStore:
                     self.dirty_since[(ino, c)] = time.monotonic()
             if loc.seg:
                 self.nvme.segments[loc.seg].live_bytes += loc.rec_len
+        self.reserved = sum(self.reservation(ino) for ino in self.allocated)
         self.dram.adopt(slots)
         # Chunks caught mid-write by a crash were never sealed: seal what is there now.
         with self.meta.write() as txn:
@@ -208,6 +218,7 @@ class ChunkStore:
         return self.seq
 
     def _account(self, ino: int, old: Loc | None, new: Loc | None) -> None:
+        reserved_before = self.reservation(ino) if ino in self.allocated else 0
         for loc, sign in ((old, -1), (new, 1)):
             if loc is None:
                 continue
@@ -224,6 +235,8 @@ class ChunkStore:
                 self.nvme_live += sign * loc.rec_len
                 self.nvme_logical += sign * loc.raw_len
                 self.nvme_chunks += sign
+        if ino in self.allocated:
+            self.reserved += self.reservation(ino) - reserved_before
 
     def _store_loc(self, txn, ino: int, c: int, loc: Loc | None) -> None:
         if loc is None:
@@ -279,11 +292,51 @@ class ChunkStore:
 
     @property
     def used(self) -> int:
-        return self.nvme_live + self.unbacked
+        return self.nvme_live + self.unbacked + self.reserved
 
-    def _check_capacity(self, growth: int) -> None:
+    def _check_capacity(self, growth: int, ino: int) -> None:
+        if growth > 0 and ino in self.allocated:
+            growth -= min(growth, self.reservation(ino))  # fallocate()d room is already counted
         if growth > 0 and self.used + growth > self.capacity:
             raise NoSpace()
+
+    # -- fallocate reservations ------------------------------------------------------------
+    def reservation(self, ino: int) -> int:
+        """Bytes fallocate() promised a file beyond what it stores now."""
+        return max(0, self.allocated.get(ino, 0) - self.file_bytes.get(ino, 0))
+
+    def blocks_bytes(self, ino: int) -> int:
+        """What the file occupies for st_blocks: stored bytes, or its allocation if larger."""
+        return max(self.file_bytes.get(ino, 0), self.allocated.get(ino, 0))
+
+    def allocate(self, ino: int, offset: int, length: int) -> None:
+        """fallocate(mode 0): reserve room for the holes in [offset, offset+length) so that
+        writes there cannot fail with ENOSPC. Raises NoSpace if it does not fit."""
+        cs = self.cs
+        missing = 0
+        for c in range(offset // cs, (offset + length + cs - 1) // cs):
+            if self.index.get(ino, c) is None:
+                missing += min(offset + length, (c + 1) * cs) - max(offset, c * cs)
+        if not missing:
+            return
+        missing = pages(missing)
+        if self.used + missing > self.capacity:
+            raise NoSpace()
+        self._set_allocated(ino, max(self.allocated.get(ino, 0),
+                                     self.file_bytes.get(ino, 0)) + missing)
+
+    def _set_allocated(self, ino: int, value: int) -> None:
+        before = self.reservation(ino)
+        if value:
+            self.allocated[ino] = value
+        else:
+            self.allocated.pop(ino, None)
+        self.reserved += self.reservation(ino) - before
+        with self.meta.write() as txn:
+            if value:
+                txn.put(u64(ino), u64(value), db=self.meta.db["alloc"])
+            else:
+                txn.delete(u64(ino), db=self.meta.db["alloc"])
 
     def notify_space(self) -> None:
         self._space.set()
@@ -354,7 +407,7 @@ class ChunkStore:
                 if self.prefetched:
                     self._prefetch_used((ino, c))
                 self.counters.chunks_from_dram += 1
-                self._record_latency(t0)
+                self._record_latency(t0, self.counters.read_latency_dram_us)
                 return _slice(view, start, length)
             if (ino, c) in self._prefetching:
                 self.counters.prefetch_late += 1
@@ -362,38 +415,79 @@ class ChunkStore:
             if data is None:
                 continue  # the chunk changed while we read it: start over
             self.counters.chunks_from_nvme += 1
-            self._record_latency(t0)
+            self._record_latency(t0, self.counters.read_latency_nvme_us)
             return _slice(memoryview(data), start, length)
 
-    def _record_latency(self, t0: float) -> None:
+    def _record_latency(self, t0: float, tier: list[int]) -> None:
         us = int((time.perf_counter() - t0) * 1e6)
         self.counters.read_latency_us[min(23, us.bit_length())] += 1
+        tier[min(23, us.bit_length())] += 1
 
     def _prefetch_used(self, key: tuple[int, int]) -> None:
         if key in self.prefetched:
             self.prefetched.discard(key)
             self.counters.prefetch_used += 1
 
-    async def prefetch(self, ino: int, c: int) -> bool:
-        """Stage an NVMe-only chunk in DRAM ahead of its read. True if it is in DRAM now."""
+    async def prefetch(self, ino: int, c: int,
+                       make_room: Callable[[int], bool] | None = None) -> bool | None:
+        """Stage an NVMe-only chunk in DRAM ahead of its read. Returns None if nothing was
+        read (no such chunk, already in DRAM or in flight, or no room), True if the chunk
+        was read and staged, False if it was read but could not be staged.
+
+        Promotion takes DRAM only below the promotion limit; *make_room(nbytes)* may free
+        some (synchronously, by dropping clean copies it chooses) when there is none. It is
+        asked before the read (no room: nothing is read) and again after it, since writes
+        may have filled DRAM while the read ran."""
         key = (ino, c)
         loc = self.get(ino, c)
-        if loc is None or loc.dram_slot >= 0 or loc.flags & LOST or key in self._prefetching:
-            return loc is not None and loc.dram_slot >= 0
+        if (loc is None or loc.dram_slot >= 0 or loc.flags & LOST or key in self._prefetching
+                or key in self._fetching):
+            return None
+        need = pages(loc.raw_len)
+        # Room for this chunk and for the prefetches already reading (each may take a chunk).
+        if not self._prefetch_room(need + len(self._prefetching) * self.cs, make_room):
+            self.kick_demoter()
+            return None
         self.counters.prefetch_issued += 1
         self._prefetching.add(key)
         try:
-            await self.fetch(ino, c, loc, promote=True, limiter=self.prefetch_limiter)
+            data = await self.fetch(ino, c, loc, promote=False, limiter=self.prefetch_limiter)
         except ChunkError as exc:
             log.warning("prefetch: %s", exc)
             return False
         finally:
             self._prefetching.discard(key)
         now = self.get(ino, c)
-        if now is not None and now.dram_slot >= 0 and now.seq == loc.seq:
-            self.prefetched.add(key)
+        if data is None or now is None or now.seq != loc.seq or now.dram_slot >= 0:
+            return False  # changed meanwhile, or a write made it resident
+        if not self._prefetch_room(need, make_room):
+            self.counters.prefetch_wasted += 1  # read for nothing: DRAM filled meanwhile
+            return False
+        self._promote(ino, c, now, data, limit=self.prefetch_limit)
+        self.prefetched.add(key)
+        if self.dram_used > self.high_water:
+            self.kick_demoter()  # the demoter makes room in bulk, in eviction order
+        return True
+
+    def promotion_room(self, nbytes: int, limit: float | None = None) -> bool:
+        """May a promotion take *nbytes* of DRAM (below *limit* bytes, default 90%) without
+        evicting anything?"""
+        cap = self.dram.capacity * 0.9 if limit is None else limit
+        return self.dram.free_slots > 0 and self.dram_used + nbytes <= cap
+
+    @property
+    def prefetch_limit(self) -> float:
+        """Prefetches may fill half the room above the high watermark (writes keep the other
+        half while the demoter, kicked, makes room in bulk and in eviction order)."""
+        return max(self.dram.capacity * 0.9, (self.high_water + self.dram.capacity) / 2)
+
+    def prefetch_room(self, nbytes: int) -> bool:
+        return self.promotion_room(nbytes, self.prefetch_limit)
+
+    def _prefetch_room(self, need: int, make_room: Callable[[int], bool] | None) -> bool:
+        if self.prefetch_room(need):
             return True
-        return False
+        return make_room is not None and make_room(need) and self.prefetch_room(need)
 
     async def fetch(self, ino: int, c: int, loc: Loc, *, promote: bool,
                     limiter: trio.CapacityLimiter | None = None) -> bytes | None:
@@ -438,20 +532,22 @@ class ChunkStore:
             raise ChunkError(f"inode {ino} chunk {c}: checksum mismatch in segment {loc.seg}")
         return data
 
-    def _promote(self, ino: int, c: int, loc: Loc, data: bytes) -> None:
+    def _promote(self, ino: int, c: int, loc: Loc, data: bytes,
+                 limit: float | None = None) -> None:
         """Keep a clean DRAM copy of an NVMe chunk, only if it fits without evicting."""
-        if (self.dram.free_slots == 0
-                or self.dram_used + pages(len(data)) > self.dram.capacity * 0.9):
+        if not self.promotion_room(pages(len(data)), limit):
             return
         slot = self.dram.alloc()
-        self.dram.slot_view(slot, len(data))[:] = data
+        self.dram.write(slot, 0, data)
         with self.meta.write() as txn:
             self._replace(txn, ino, c, loc, loc._replace(dram_slot=slot))
         self.counters.promotions += 1
 
     # -- write -----------------------------------------------------------------------------
-    async def write(self, ino: int, off: int, data: bytes) -> None:
-        """Store *data* at *off*. The caller updates the file size afterwards."""
+    async def write(self, ino: int, off: int, data: bytes,
+                    on_commit: Callable[[], None] | None = None) -> None:
+        """Store *data* at *off*. *on_commit* runs inside the transaction that commits the
+        last piece (the caller's inode update rides along: one commit per write)."""
         cs = self.cs
         pos, end = off, off + len(data)
         mv = memoryview(data)
@@ -459,10 +555,16 @@ class ChunkStore:
             c = pos // cs
             start = pos - c * cs
             stop = min(cs, end - c * cs)
-            await self._write_piece(ino, c, start, mv[pos - off:pos - off + stop - start])
+            last = c * cs + stop >= end
+            await self._write_piece(ino, c, start, mv[pos - off:pos - off + stop - start],
+                                    on_commit if last else None)
             pos = c * cs + stop
+        if not data and on_commit is not None:
+            with self.meta.write():
+                on_commit()
 
-    async def _write_piece(self, ino: int, c: int, start: int, piece: memoryview) -> None:
+    async def _write_piece(self, ino: int, c: int, start: int, piece: memoryview,
+                           on_commit: Callable[[], None] | None = None) -> None:
         stop = start + len(piece)
         while True:
             loc = self.get(ino, c)
@@ -480,13 +582,13 @@ class ChunkStore:
             before = 0 if loc is None else (
                 (pages(loc.raw_len) if in_dram and not loc.seg else 0)
                 + (loc.rec_len if loc.seg else 0))
-            self._check_capacity(pages(new_len) - before)
+            self._check_capacity(pages(new_len) - before, ino)
             growth = pages(new_len) - pages(old_len)
             if (not in_dram and self.dram.free_slots == 0) or \
                     self.dram_used + growth > self.dram.capacity:
                 await self._wait_dram(growth)
                 continue  # the world may have changed while we waited
-            self._apply_write(ino, c, loc, start, piece, new_len)
+            self._apply_write(ino, c, loc, start, piece, new_len, on_commit)
             return
 
     async def _make_resident(self, ino: int, c: int, loc: Loc) -> None:
@@ -501,19 +603,20 @@ class ChunkStore:
         if self.dram.free_slots == 0:
             return
         slot = self.dram.alloc()
-        self.dram.slot_view(slot, len(data))[:] = data
+        self.dram.write(slot, 0, data)
         with self.meta.write() as txn:
             self._replace(txn, ino, c, now, now._replace(dram_slot=slot))
 
     def _apply_write(self, ino: int, c: int, loc: Loc | None, start: int, piece: memoryview,
-                     new_len: int) -> None:
+                     new_len: int, on_commit: Callable[[], None] | None) -> None:
         """Synchronous part of a write: no await from here to the commit."""
-        stop = start + len(piece)
         seq = self._next_seq()
         if loc is None or loc.dram_slot < 0:
             # Fresh slot: bytes first, then the commit that makes them part of the file.
             slot = self.dram.alloc()
-            self.dram.slot_view(slot, stop)[start:stop] = piece
+            if start:
+                self.dram.write(slot, 0, bytes(start))  # a reused slot holds stale bytes
+            self.dram.write(slot, start, piece)
             new = Loc(slot, 0, 0, 0, new_len, 0, CODEC_RAW, 0, 0, seq)
         else:
             if loc.flags & SEALED:
@@ -522,10 +625,14 @@ class ChunkStore:
                     unsealed = loc._replace(flags=0)
                     self._replace(txn, ino, c, loc, unsealed)
                 loc = unsealed
-            self.dram.slot_view(loc.dram_slot, stop)[start:stop] = piece
+            if start > loc.raw_len:
+                self.dram.write(loc.dram_slot, loc.raw_len, bytes(start - loc.raw_len))
+            self.dram.write(loc.dram_slot, start, piece)
             new = Loc(loc.dram_slot, 0, 0, 0, new_len, 0, CODEC_RAW, 0, 0, seq)
         with self.meta.write() as txn:
             self._replace(txn, ino, c, loc, new)
+            if on_commit is not None:
+                on_commit()
         if self.dram_used > self.high_water or self.dram.free_slots < self.low_slots:
             self.kick_demoter()
 
@@ -540,8 +647,11 @@ class ChunkStore:
         if not todo:
             return
         views = [self.dram.slot_view(loc.dram_slot, loc.raw_len) for _, loc in todo]
-        sums = await trio.to_thread.run_sync(lambda: [_hash(v) for v in views],
-                                             limiter=self.limiter)
+        if sum(loc.raw_len for _, loc in todo) <= INLINE_HASH_BYTES:
+            sums = [_hash(v) for v in views]
+        else:
+            sums = await trio.to_thread.run_sync(lambda: [_hash(v) for v in views],
+                                                 limiter=self.limiter)
         with self.meta.write() as txn:
             for (c, loc), csum in zip(todo, sums, strict=True):
                 now = self.get(ino, c)
@@ -567,15 +677,15 @@ class ChunkStore:
             stream = self.stream_of(ino)
         codec_id = self._file_codec.get(ino)
         view = self.dram.slot_view(loc.dram_slot, loc.raw_len)
-        csum, codec_id, payload = await trio.to_thread.run_sync(
+        csum, codec_id, used, payload = await trio.to_thread.run_sync(
             self._encode, ino, view, loc, codec_id, limiter=self.limiter)
-        self._file_codec.setdefault(ino, codec_id)
+        self._file_codec.setdefault(ino, codec_id)  # the file's choice; `used` is this chunk's
         now = self.get(ino, c)
         if now is None or now.seq != loc.seq:
             return False
         rec_len = record_length(len(payload))
         seg, off = await self._reserve(stream, rec_len)
-        header = RecordHeader(codec_id, stream, ino, c, loc.seq, loc.raw_len, len(payload), csum)
+        header = RecordHeader(used, stream, ino, c, loc.seq, loc.raw_len, len(payload), csum)
         try:
             await trio.to_thread.run_sync(self.nvme.write_record, seg, off, header, payload,
                                           limiter=self.limiter)
@@ -583,16 +693,14 @@ class ChunkStore:
             self.nvme.mark_dead(seg.seg_id, rec_len)
             raise
         self.nvme.bytes_written += rec_len
-        if stream == STREAM_GC:
-            self.counters.gc_bytes_written += rec_len
-        else:
-            self.counters.user_bytes_written += rec_len
+        self.counters.user_bytes_written += rec_len  # writeback is user data, any stream
+        self.nvme.counters(stream).user_bytes += rec_len
         now = self.get(ino, c)
         if now is None or now.seq != loc.seq or now.dram_slot != loc.dram_slot:
             self.nvme.mark_dead(seg.seg_id, rec_len)
             return False
         new = Loc(-1 if drop else now.dram_slot, seg.seg_id, off, rec_len, now.raw_len,
-                  len(payload), codec_id, SEALED, csum, now.seq)
+                  len(payload), used, SEALED, csum, now.seq)
         with self.meta.write() as txn:
             self._replace(txn, ino, c, now, new)
         self.counters.writebacks += 1
@@ -619,14 +727,16 @@ class ChunkStore:
             self._replace(txn, ino, c, now, now._replace(seg=seg, off=off, rec_len=rec_len))
 
     def _encode(self, ino: int, view: memoryview, loc: Loc, codec_id: int | None):
-        """Worker thread: checksum (unless sealed) and compress one chunk."""
+        """Worker thread: checksum (unless sealed) and compress one chunk. Returns the file's
+        codec choice and the codec this chunk was really stored with (raw when it did not
+        compress)."""
         csum = loc.checksum if loc.flags & SEALED else _hash(view)
         if codec_id is None:
             codec_id = self.codec.choose(view[:65536], self.codec_hint(ino))
-        used, payload = self.codec.encode(view, codec_id)
+        used, payload = self.codec.encode(view, codec_id)  # may fall back to raw
         if used == CODEC_RAW:
             payload = bytes(view)  # the slot may change after we return: take a copy
-        return csum, codec_id, payload
+        return csum, codec_id, used, payload
 
     def drop_dram_copy(self, key: tuple[int, int]) -> None:
         """Free the DRAM slot of a chunk that is safely on NVMe."""
@@ -678,6 +788,8 @@ class ChunkStore:
 
     # -- truncate / delete -----------------------------------------------------------------
     async def truncate(self, ino: int, old_size: int, new_size: int) -> None:
+        if self.allocated.get(ino, 0) > pages(new_size):
+            self._set_allocated(ino, pages(new_size))  # space past the new end is released
         if new_size >= old_size:
             return
         cs = self.cs
@@ -715,7 +827,10 @@ class ChunkStore:
             for c in self.index.chunks_of(ino, self._nchunks(size)):
                 self._replace(txn, ino, c, self.get(ino, c), None)
         self._file_codec.pop(ino, None)
+        if ino in self.allocated:
+            self._set_allocated(ino, 0)
         self.file_bytes.pop(ino, None)
+        self.file_deleted(ino)
 
     # -- introspection -----------------------------------------------------------------------
     def where(self, ino: int, size: int) -> list[dict]:
@@ -751,7 +866,9 @@ class ChunkStore:
                       "chunks_from_nvme": k.chunks_from_nvme,
                       "chunks_from_holes": k.chunks_from_holes,
                       "checksum_errors": k.checksum_errors,
-                      "latency_us_log2_histogram": list(k.read_latency_us)},
+                      "latency_us_log2_histogram": list(k.read_latency_us),
+                      "dram_latency_us_log2_histogram": list(k.read_latency_dram_us),
+                      "nvme_latency_us_log2_histogram": list(k.read_latency_nvme_us)},
             "moves": {"promotions": k.promotions, "demotions": k.demotions,
                       "writebacks": k.writebacks},
             "prefetch": {"issued_chunks": k.prefetch_issued, "used_chunks": k.prefetch_used,

@@ -1,100 +1,229 @@
 """Segment cleaning: reclaim NVMe segments whose records have mostly died.
 
 A victim segment is scanned record by record; a record is live if the index still names
-exactly that (segment, offset). Live records are copied, payload as stored (no recompression),
-to the GC stream's open segment; each new location is committed before the old record is
-marked dead (invariant 4), and the victim is unlinked once nothing in it is live. A crash at
-any point leaves either the old or the new location committed, never neither.
+exactly that (segment, offset, seq). Live records are copied, payload as stored (no
+recompression), to the open segment of the GC stream (kvfs/store/streams.py: `gc` for records
+found in user segments, `cold` for records relocated a second time when there is such a
+stream; with streams=1 the one shared log). Each new location is committed before the old
+record is marked dead (invariant 4). The victim is *held* for the whole pass: even when its
+last record dies it is not unlinked until the copies are durable (fdatasync of the
+destination segments and their directory, then an lmdb sync), so neither a crash of the
+daemon nor of the machine in the middle of a pass can leave a chunk pointing at nothing.
+Unlinking a segment file lets the filesystem discard (TRIM) its blocks.
 
-Victims are chosen by the classic LFS cost-benefit ratio (1 - u) * age / (1 + u): a segment
-with little live data is cheap to clean, and old data that is still alive is likely to stay
-alive, so moving it out frees space for longer.
+Victims are chosen by the LFS cost-benefit ratio (1 - u) * age / (1 + u), u = live bytes /
+segment size, age = bytes written to the tier since the segment was opened: little live data
+is cheap to clean, and old data that is still alive is likely to stay alive, so moving it out
+frees space for longer. With lifetime streams most segments never need this: a segment of
+per-request blocks empties by itself and is unlinked when its last record dies.
 
-Write amplification = (user bytes + GC bytes) / user bytes is counted by the store.
+When it runs (checked at every kick and every TICK seconds):
+- urgent:     free segments <= reserved + 1, or a writer found no segment (`make_room`): clean
+              at full speed (writers are waiting), still letting demand reads go first;
+- background: free segments below the low watermark (FREE_TARGET of the tier, at least one per
+              stream beyond the reserve) until the high watermark: paced to BACKGROUND_RATE;
+- idle:       no foreground writes for IDLE_AFTER seconds: cheap victims only (u <=
+              IDLE_MAX_U), paced to IDLE_RATE, until IDLE_FREE_TARGET of the tier is free.
+              Reads do not stop it (they take no space); they go first, as below.
+Foreground first: before each record copy the cleaner waits (up to FOREGROUND_WAIT) while
+demand reads are in flight, and it moves one record at a time through the store's worker
+threads, so it never holds more than one of them.
+
+An open segment that has not been appended to while OPEN_IDLE_SHARE of the tier was written
+elsewhere (a stream that went quiet) is sealed, so that its dead records can be reclaimed too.
+
+Write amplification = (user bytes + GC bytes) / user bytes, counted by the store in total and
+per stream by the segment log; GC bytes are charged to the stream they were copied out of.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
+import signal
 import time
 
 import trio
 
-from kvfs.store.nvme import NvmeFull, RecordError, RecordHeader, Segment, record_length
+from kvfs.store.nvme import BLOCK, NvmeFull, RecordError, RecordHeader, Segment, record_length
+from kvfs.store.streams import HINT_NAMES, StreamTable, device_info
 
 log = logging.getLogger(__name__)
 
 STREAM_GC = 1
-# Clean in the background when fewer segments than this share of the tier are free.
-FREE_TARGET = 0.10
+# Background cleaning starts when fewer segments than this share of the tier are free.
+FREE_TARGET = 0.02
+# ... and stops this many segments (share of the tier, at least one) above that.
+FREE_HYSTERESIS = 0.02
 # Segments kept back from user streams so cleaning always has somewhere to copy to.
 GC_RESERVED_SEGMENTS = 2
+BACKGROUND_RATE = 256 << 20  # bytes copied per second when not urgent
+IDLE_RATE = 64 << 20
+IDLE_AFTER = 2.0  # seconds without foreground writes
+IDLE_MAX_U = 0.5
+IDLE_FREE_TARGET = 0.25
+FOREGROUND_WAIT = 0.05  # longest wait for in-flight demand reads before each record copy
+URGENT_FOREGROUND_WAIT = 0.002
+TICK = 0.25
+OPEN_IDLE_SHARE = 0.25
+SEGMENT_LIST_MAX = 256  # per-segment live/dead list in the status (keeps it well under 64 KiB)
+
+
+class _NoRoom(Exception):
+    pass
 
 
 class Cleaner:
-    def __init__(self, store) -> None:
+    def __init__(self, store, table: StreamTable | None = None, *,
+                 rate: float = BACKGROUND_RATE, idle_rate: float = IDLE_RATE,
+                 idle_after: float = IDLE_AFTER) -> None:
         self.store = store
         self.nvme = store.nvme
+        self.table = table or StreamTable.make(2)
+        self.nvme.gc_reserved = GC_RESERVED_SEGMENTS
+        self.nvme.on_new_segment = self._segment_opened
+        self.rate = rate
+        self.idle_rate = idle_rate
+        self.idle_after = idle_after
         self.segments_cleaned = 0
         self.records_moved = 0
+        self.bytes_moved = 0
+        self.passes = {"urgent": 0, "background": 0, "idle": 0}
+        self.victims: dict[int, list] = {}  # stream -> [segments cleaned, sum of live share]
+        self.paced_s = 0.0
+        self.yielded_s = 0.0
+        self.cleaning = False
         self._kick = trio.Event()
         self._lock = trio.Lock()
+        self._next_ok = 0.0
+        self._activity: tuple = ()
+        self._last_activity = time.monotonic()
+        self._in_background = False
+        self._device: dict | None = None
+        self._open_seen: dict[int, tuple[int, int, int]] = {}
+        self._crash = _crash_point_from_env()
 
     def kick(self) -> None:
         self._kick.set()
 
-    def _low(self) -> bool:
-        return self.nvme.free_segments() < max(GC_RESERVED_SEGMENTS + 1,
-                                               FREE_TARGET * self.nvme.max_segments)
+    def _segment_opened(self) -> None:
+        if self.nvme.free_segments() < self.low_mark:
+            self._kick.set()
 
-    def pick_victim(self) -> Segment | None:
-        now = time.time()
+    # -- watermarks ------------------------------------------------------------------------
+    @property
+    def urgent_mark(self) -> int:
+        return self.nvme.gc_reserved + 1
+
+    @property
+    def low_mark(self) -> int:
+        n = self.nvme.max_segments
+        return max(self.nvme.gc_reserved + 3, math.ceil(FREE_TARGET * n))
+
+    @property
+    def high_mark(self) -> int:
+        return self.low_mark + max(1, math.ceil(FREE_HYSTERESIS * self.nvme.max_segments))
+
+    def _idle(self) -> bool:
+        now = (self.store.seq, self.store.counters.user_bytes_written)
+        t = time.monotonic()
+        if now != self._activity:
+            self._activity, self._last_activity = now, t
+        return t - self._last_activity >= self.idle_after
+
+    def mode(self) -> str | None:
+        free = self.nvme.free_segments()
+        if free <= self.urgent_mark:
+            return "urgent"
+        if free < self.low_mark or (self._in_background and free < self.high_mark):
+            return "background"
+        if self._idle() and free < IDLE_FREE_TARGET * self.nvme.max_segments:
+            return "idle"
+        return None
+
+    # -- victims ---------------------------------------------------------------------------
+    def pick_victim(self, max_u: float = 0.98) -> Segment | None:
+        now = self.nvme.bytes_written
+        size = self.nvme.segment_size
         best, best_score = None, 0.0
         open_ids = {s.seg_id for s in self.nvme.open_segment.values()}
         for seg in self.nvme.segments.values():
-            if seg.seg_id in open_ids or seg.deleted:
+            if seg.seg_id in open_ids or seg.deleted or seg.hold:
                 continue
-            size = max(seg.write_off, 1)
-            u = min(1.0, seg.live_bytes / size)
-            if u >= 0.98:
-                continue  # nothing to gain
-            score = (1 - u) * (now - seg.created + 1) / (1 + u)
+            u = min(1.0, max(0, seg.live_bytes) / size)
+            if u > max_u:
+                continue  # nothing (or too little) to gain
+            score = (1 - u) * (now - seg.clock + size) / (1 + u)
             if score > best_score:
                 best, best_score = seg, score
         return best
 
+    # -- tasks -----------------------------------------------------------------------------
     async def run(self) -> None:
         while True:
-            with trio.move_on_after(2.0):
+            with trio.move_on_after(TICK):
                 await self._kick.wait()
             self._kick = trio.Event()
             try:
-                while self._low():
-                    if not await self.clean_one():
-                        break
+                self.seal_idle_open_segments()
+                await self.clean_while_needed()
             except Exception:
                 log.exception("segment cleaning failed")
 
-    async def make_room(self) -> bool:
-        """Called when an append found no free segment: clean until one is free."""
-        for _ in range(8):
-            if self.nvme.free_segments() > 0:
-                return True
-            if not await self.clean_one():
-                return self.nvme.free_segments() > 0
-        return self.nvme.free_segments() > 0
+    async def clean_while_needed(self) -> None:
+        mode = self.mode()
+        self._in_background = mode == "background"
+        while mode is not None:
+            if not await self.clean_one(mode):
+                break
+            mode = self.mode()
+            self._in_background = mode in ("background", "urgent")
+        self._in_background = False
 
-    async def clean_one(self) -> bool:
+    def seal_idle_open_segments(self) -> None:
+        nvme = self.nvme
+        for stream, seg in list(nvme.open_segment.items()):
+            seen = self._open_seen.get(stream)
+            if seen is None or seen[:2] != (seg.seg_id, seg.write_off):
+                self._open_seen[stream] = (seg.seg_id, seg.write_off, nvme.bytes_written)
+            elif nvme.bytes_written - seen[2] >= OPEN_IDLE_SHARE * nvme.capacity:
+                nvme.seal_open(stream)
+                del self._open_seen[stream]
+
+    async def make_room(self) -> bool:
+        """Called when a user append found no free segment (only the cleaner's reserve is
+        left): clean until a user stream may open one again. False if cleaning cannot help."""
+        def room() -> bool:
+            return self.nvme.free_segments() > self.nvme.gc_reserved
+
+        for _ in range(8):
+            if room():
+                return True
+            if not await self.clean_one("urgent"):
+                break
+        await trio.sleep(0)  # callers retry in a loop: never spin without a checkpoint
+        return room()
+
+    async def clean_one(self, mode: str = "urgent") -> bool:
         async with self._lock:
-            seg = self.pick_victim()
+            seg = self.pick_victim(IDLE_MAX_U if mode == "idle" else 0.98)
             if seg is None:
                 return False
-            await self._clean(seg)
+            self.passes[mode] += 1
+            v = self.victims.setdefault(seg.stream, [0, 0.0])
+            v[0] += 1
+            v[1] += max(0, seg.live_bytes) / self.nvme.segment_size
+            await self._clean(seg, mode)
             return True
 
-    async def _clean(self, seg: Segment) -> None:
+    # -- one victim ------------------------------------------------------------------------
+    async def _clean(self, seg: Segment, mode: str) -> None:
         store = self.store
+        seg.hold += 1
         self.nvme.pin(seg.seg_id)
+        self.cleaning = True
+        moved_to: dict[int, Segment] = {}
         try:
             records = await trio.to_thread.run_sync(self.nvme.scan, seg.seg_id,
                                                     limiter=store.limiter)
@@ -102,14 +231,33 @@ class Cleaner:
                 loc = store.get(h.ino, h.chunk)
                 if loc is None or (loc.seg, loc.off) != (seg.seg_id, off) or loc.seq != h.seq:
                     continue
-                await self._move(seg, off, h, loc)
+                await self._foreground_first(mode)
+                loc = store.get(h.ino, h.chunk)  # it may have changed while we waited
+                if loc is None or (loc.seg, loc.off) != (seg.seg_id, off) or loc.seq != h.seq:
+                    continue
+                try:
+                    dst = await self._move(seg, off, h, loc)
+                except _NoRoom:
+                    break  # leave the rest where it is
+                if dst is not None:
+                    moved_to[dst.seg_id] = dst
+                if mode != "urgent" and self.mode() != "urgent":
+                    await self._pace(loc.rec_len, self.idle_rate if mode == "idle" else self.rate)
+            self._crash_point("moved")
+            if moved_to:
+                await self._make_durable(list(moved_to.values()))
+            self._crash_point("synced")
         finally:
+            self.cleaning = False
             self.nvme.unpin(seg)
+            seg.hold -= 1
         seg.sealed = True
         self.nvme._maybe_delete(seg)
-        self.segments_cleaned += 1
+        if seg.deleted:
+            self.segments_cleaned += 1
 
-    async def _move(self, seg: Segment, off: int, h: RecordHeader, loc) -> None:
+    async def _move(self, seg: Segment, off: int, h: RecordHeader, loc) -> Segment | None:
+        """Copy one live record; returns the segment it went to (None: left in place)."""
         store = self.store
         try:
             header, payload = await trio.to_thread.run_sync(
@@ -117,14 +265,15 @@ class Cleaner:
         except (RecordError, OSError) as exc:
             log.error("cleaning segment %d: record at %d unreadable (%s); left in place",
                       seg.seg_id, off, exc)
-            return
+            return None  # not a reason to stop the pass
         rec_len = record_length(len(payload))
+        stream = self.table.gc_destination(seg.stream)
         try:
-            dst, dst_off = self.nvme.reserve(STREAM_GC, rec_len, for_gc=True)
+            dst, dst_off = self.nvme.reserve(stream, rec_len, for_gc=True)
         except NvmeFull:
             log.warning("cleaning segment %d: no free segment to copy into", seg.seg_id)
-            return
-        moved = RecordHeader(header.codec, STREAM_GC, header.ino, header.chunk, header.seq,
+            raise _NoRoom() from None
+        moved = RecordHeader(header.codec, stream, header.ino, header.chunk, header.seq,
                              header.raw_len, header.stored_len, header.checksum)
         try:
             await trio.to_thread.run_sync(self.nvme.write_record, dst, dst_off, moved, payload,
@@ -134,5 +283,139 @@ class Cleaner:
             raise
         store.counters.gc_bytes_written += rec_len
         self.nvme.bytes_written += rec_len
+        self.nvme.counters(stream).gc_bytes_in += rec_len
+        self.nvme.counters(seg.stream).gc_bytes_out += rec_len
+        self.bytes_moved += rec_len
+        self._crash_point("written")
         store.relocated(h.ino, h.chunk, loc, dst.seg_id, dst_off, rec_len)
         self.records_moved += 1
+        self._crash_point("committed")
+        return dst
+
+    async def _make_durable(self, segs: list[Segment]) -> None:
+        """fdatasync the segments copies went to, their directory, then lmdb: only then may
+        the victim go (a machine crash must not find the chunk pointing at lost blocks)."""
+        pinned = []
+        for s in segs:
+            if not s.deleted:
+                pinned.append(self.nvme.pin(s.seg_id))
+        try:
+            await trio.to_thread.run_sync(self._sync, pinned, limiter=self.store.limiter)
+        finally:
+            for s in pinned:
+                self.nvme.unpin(s)
+
+    def _sync(self, segs: list[Segment]) -> None:
+        for s in segs:
+            os.fdatasync(s.fd)
+        fd = os.open(self.nvme.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.store.meta.sync()
+
+    # -- politeness ------------------------------------------------------------------------
+    def _demand_reads(self) -> int:
+        s = self.store
+        return len(s._fetching) - len(s._prefetching)
+
+    async def _foreground_first(self, mode: str) -> None:
+        limit = URGENT_FOREGROUND_WAIT if mode == "urgent" else FOREGROUND_WAIT
+        t0 = time.monotonic()
+        await trio.sleep(0)
+        while self._demand_reads() > 0 and time.monotonic() - t0 < limit:
+            await trio.sleep(0.0005)
+        self.yielded_s += time.monotonic() - t0
+
+    async def _pace(self, nbytes: int, rate: float) -> None:
+        now = time.monotonic()
+        self._next_ok = max(self._next_ok, now - 0.05) + nbytes / rate  # 50 ms of credit
+        if self._next_ok > now:
+            self.paced_s += self._next_ok - now
+            await trio.sleep(self._next_ok - now)
+
+    # -- accounting ------------------------------------------------------------------------
+    def stats(self) -> dict:
+        nvme = self.nvme
+        size = nvme.segment_size
+        per: dict[int, dict] = {}
+        ids = set(range(self.table.count)) | set(nvme.streams)
+        segs = sorted(nvme.segments.values(), key=lambda s: s.seg_id)
+        ids |= {s.stream for s in segs}
+        for i in sorted(ids):
+            c = nvme.counters(i)
+            hint = self.table.hints[i] if i < self.table.count else None
+            wa = round((c.user_bytes + c.gc_bytes_out) / c.user_bytes, 4) if c.user_bytes \
+                else None
+            opened = nvme.open_segment.get(i)
+            per[i] = {"id": i, "write_hint": HINT_NAMES.get(hint) if hint is not None else None,
+                      "hint_accepted": nvme.hint_result.get(i),
+                      "segments": 0, "open_segment": opened.seg_id if opened else None,
+                      "live_bytes": 0, "dead_bytes": 0,
+                      "user_bytes_written": c.user_bytes, "gc_bytes_written": c.gc_bytes_in,
+                      "gc_bytes_copied_out": c.gc_bytes_out, "write_amplification": wa,
+                      "segments_freed": c.segments_freed}
+        seg_list = []
+        for s in segs:
+            written = max(0, s.write_off - BLOCK)
+            live = max(0, s.live_bytes)
+            p = per[s.stream]
+            p["segments"] += 1
+            p["live_bytes"] += live
+            p["dead_bytes"] += max(0, written - live)
+            if len(seg_list) < SEGMENT_LIST_MAX:
+                seg_list.append([s.seg_id, s.stream, live, max(0, written - live)])
+        if self._device is None:
+            self._device = device_info(nvme.directory)
+        free = nvme.free_segments()
+        util = [0] * 10
+        for s in segs:
+            util[min(9, int(10 * max(0, s.live_bytes) / size))] += 1
+        return {
+            "gc": {
+                "segments_cleaned": self.segments_cleaned,
+                "records_moved": self.records_moved,
+                "bytes_moved": self.bytes_moved,
+                "passes": dict(self.passes),
+                "victims": {self.table.name(i): {"segments": n, "mean_live_share": round(u / n, 3)}
+                            for i, (n, u) in sorted(self.victims.items())},
+                "paced_s": round(self.paced_s, 3),
+                "yielded_to_reads_s": round(self.yielded_s, 3),
+                "cleaning": self.cleaning,
+                "free_segments": free,
+                "watermarks": {"urgent": self.urgent_mark, "low": self.low_mark,
+                               "high": self.high_mark,
+                               "idle_target": math.ceil(IDLE_FREE_TARGET * nvme.max_segments)},
+                "segment_size": size,
+                "max_segments": nvme.max_segments,
+                "segment_utilisation_histogram": util,
+                # [segment id, stream, live bytes, dead bytes]; the first SEGMENT_LIST_MAX
+                "segments": seg_list,
+                "segments_listed_all": len(seg_list) == len(segs),
+                "write_hints": {"kernel_accepted": nvme.hints_accepted,
+                                "device": self._device.get("device"),
+                                "device_write_streams": self._device.get("write_streams"),
+                                "device_discard": self._device.get("discard"),
+                                "fs_mounted_with_discard": self._device.get("fs_discard")},
+            },
+            "streams": {self.table.name(i): p for i, p in per.items()},
+        }
+
+    # -- fault injection (tests only) ------------------------------------------------------
+    def _crash_point(self, name: str) -> None:
+        if self._crash is not None and self._crash[0] == name:
+            self._crash[1] -= 1
+            if self._crash[1] <= 0:
+                log.warning("KVFS_TEST_GC_CRASH: killing the daemon at %r", name)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _crash_point_from_env() -> list | None:
+    """KVFS_TEST_GC_CRASH=POINT:N kills the daemon the Nth time a cleaning pass reaches POINT
+    (written, committed, moved, synced). For crash tests; unset in normal use."""
+    spec = os.environ.get("KVFS_TEST_GC_CRASH")
+    if not spec:
+        return None
+    name, _, n = spec.partition(":")
+    return [name, int(n or 1)]

@@ -4,7 +4,9 @@ Each stream (a placement class: data expected to die together) has its own open 
 records of different streams never share one. Space is reserved on the trio thread (a plain
 offset bump), so many appends to one or several streams proceed at once in worker threads.
 A segment is the unit of reclamation: when its last live record dies it is unlinked, which
-lets the filesystem below discard the blocks. The byte layouts are in docs/FORMAT.md.
+lets the filesystem below discard the blocks. Each new segment file gets its stream's Linux
+write-life hint (F_SET_RW_HINT; see kvfs/store/streams.py). The byte layouts are in
+docs/FORMAT.md.
 
 Record: 64-byte header, payload, zero padding to a 4 KiB boundary.
     magic u32 'KVR1' | version u16 | codec u8 | stream u8 | ino u64 | chunk u64 | seq u64 |
@@ -25,6 +27,8 @@ import uuid as uuidlib
 from dataclasses import dataclass
 
 import xxhash
+
+from kvfs.store.streams import set_write_hint
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +124,18 @@ class Segment:
     readers: int = 0  # in-flight reads: the fd stays open until they finish
     unsynced: bool = False
     created: float = 0.0
+    hold: int = 0  # the cleaner is moving its records: not freed until it lets go
+    clock: int = 0  # NvmeLog.bytes_written when it was created (age in bytes, for GC)
+
+
+@dataclass
+class StreamCounters:
+    """Record bytes appended to one stream, and GC copies out of its segments."""
+
+    user_bytes: int = 0  # user records written into this stream
+    gc_bytes_in: int = 0  # records the cleaner copied into this stream
+    gc_bytes_out: int = 0  # records the cleaner copied out of this stream's segments
+    segments_freed: int = 0
 
 
 class NvmeLog:
@@ -138,6 +154,10 @@ class NvmeLog:
         self.buffers = AlignedBuffers()
         self.bytes_written = 0  # every record byte appended (user + GC)
         self.hints_accepted: bool | None = None
+        self.stream_hints: dict[int, int] = {}  # stream -> RWH_WRITE_LIFE_* (set by assembly)
+        self.hint_result: dict[int, bool] = {}  # stream -> did the kernel keep the hint
+        self.streams: dict[int, StreamCounters] = {}
+        self.on_new_segment = lambda: None  # the cleaner's kick: free space just shrank
         self.gc_reserved = 2  # segments only the cleaner may open
         self._discover()
 
@@ -178,9 +198,22 @@ class NvmeLog:
             os.pwrite(fd, memoryview(buf)[:BLOCK], 0)
         finally:
             self.buffers.put(buf)
-        seg = Segment(seg_id, stream, path, fd, created=time.time(), unsynced=True)
+        seg = Segment(seg_id, stream, path, fd, created=time.time(), unsynced=True,
+                      clock=self.bytes_written)
         self.segments[seg_id] = seg
+        hint = self.stream_hints.get(stream)
+        if hint is not None:
+            ok = set_write_hint(fd, hint)
+            self.hint_result[stream] = ok
+            self.hints_accepted = ok if self.hints_accepted is None else self.hints_accepted and ok
+        self.on_new_segment()
         return seg
+
+    def counters(self, stream: int) -> StreamCounters:
+        c = self.streams.get(stream)
+        if c is None:
+            c = self.streams[stream] = StreamCounters()
+        return c
 
     def reserve(self, stream: int, length: int, *, for_gc: bool = False
                 ) -> tuple[Segment, int]:
@@ -202,6 +235,14 @@ class NvmeLog:
         seg.live_bytes += length
         return seg, off
 
+    def seal_open(self, stream: int) -> None:
+        """Stop appending to *stream*'s open segment (the cleaner closes idle ones so their
+        dead space can be reclaimed); the next append opens a new one."""
+        seg = self.open_segment.pop(stream, None)
+        if seg is not None:
+            seg.sealed = True
+            self._maybe_delete(seg)
+
     def free_segments(self) -> int:
         return self.max_segments - len(self.segments)
 
@@ -214,9 +255,10 @@ class NvmeLog:
         self._maybe_delete(seg)
 
     def _maybe_delete(self, seg: Segment) -> None:
-        if seg.sealed and seg.live_bytes <= 0 and not seg.deleted:
+        if seg.sealed and seg.live_bytes <= 0 and not seg.deleted and not seg.hold:
             seg.deleted = True
             del self.segments[seg.seg_id]
+            self.counters(seg.stream).segments_freed += 1
             os.unlink(seg.path)
             if seg.readers == 0:
                 os.close(seg.fd)

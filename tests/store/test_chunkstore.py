@@ -41,10 +41,13 @@ def test_demotion_and_nvme_reads(kv):
     st = kv.status()
     assert st["tiers"]["dram"]["used_bytes"] <= st["tiers"]["dram"]["capacity_bytes"]
     assert st["tiers"]["nvme"]["chunks"] > 0
-    assert kv.tiers("f0") == {"nvme"}
-    before = st["reads"]["chunks_from_nvme"]
+    # which files went is the policy's choice (prediction may keep a chain's head); some did
+    assert any(kv.tiers(name) == {"nvme"} for name in files)
+    before = st["reads"]["chunks_from_nvme"] + st["prefetch"]["issued_chunks"]
     _check(kv, files)
-    assert kv.status()["reads"]["chunks_from_nvme"] > before
+    after = kv.status()
+    # served from NVMe on demand, or staged ahead of the read by prefetch
+    assert after["reads"]["chunks_from_nvme"] + after["prefetch"]["issued_chunks"] > before
 
 
 def test_small_file_costs_its_pages(kv):
@@ -77,17 +80,23 @@ def test_nvme_reads_promote_when_room(mount_factory):
     assert m.status()["moves"]["promotions"] > 0
 
 
+def _nvme_only(m, files) -> list[str]:
+    names = [n for n in files if m.tiers(n) == {"nvme"}]
+    assert len(names) >= 2, "nothing was demoted"
+    return names
+
+
 def test_overwrite_nvme_chunk_partially(kv):
     files = _fill(kv, "f", 30, 256 << 10)
-    assert kv.tiers("f0") == {"nvme"}
-    fd = os.open(kv.path / "f0", os.O_RDWR)
+    a, b = _nvme_only(kv, files)[:2]
+    fd = os.open(kv.path / a, os.O_RDWR)
     os.pwrite(fd, b"X" * 100, CHUNK + 10)  # read-modify-write of an NVMe-only chunk
     os.close(fd)
-    want = bytearray(files["f0"])
+    want = bytearray(files[a])
     want[CHUNK + 10:CHUNK + 110] = b"X" * 100
-    assert (kv.path / "f0").read_bytes() == bytes(want)
-    os.truncate(kv.path / "f1", CHUNK + 7)  # truncation inside an NVMe-only chunk
-    assert (kv.path / "f1").read_bytes() == files["f1"][:CHUNK + 7]
+    assert (kv.path / a).read_bytes() == bytes(want)
+    os.truncate(kv.path / b, CHUNK + 7)  # truncation inside an NVMe-only chunk
+    assert (kv.path / b).read_bytes() == files[b][:CHUNK + 7]
 
 
 def test_remount_keeps_everything(kv):
@@ -181,16 +190,16 @@ def test_corrupt_dram_chunk_is_eio(kv):
 
 def test_corrupt_nvme_record_is_eio(kv):
     files = _fill(kv, "f", 30, 128 << 10)
-    assert kv.tiers("f0") == {"nvme"}
-    seg = kv.where("f0")[0]["segment"]
+    seg = kv.where(_nvme_only(kv, files)[0])[0]["segment"]
     kv.unmount()
     import shutil
 
     shutil.rmtree(kv.dram_dir)  # make sure the read has to come from NVMe
     path = kv.nvme_dir / "segments" / f"seg-{seg:08d}.kvs"
     raw = bytearray(path.read_bytes())
-    for off in range(4096 + 64 + 1000, len(raw), 4096 * 8):
-        raw[off] ^= 0x55
+    for off in range(4096, len(raw), 4096):  # a payload byte of every record in the segment
+        if raw[off:off + 4] == b"KVR1":
+            raw[off + 64 + 10] ^= 0x55
     path.write_bytes(bytes(raw))
     kv.start()
     bad = 0
@@ -296,7 +305,7 @@ def test_fsck_clean_and_detects_corruption(kv):
     import sys
 
     files = _fill(kv, "f", 30, 128 << 10)
-    seg = kv.where("f0")[0]["segment"]
+    seg = kv.where(_nvme_only(kv, files)[0])[0]["segment"]
     kv.unmount()
     cmd = [sys.executable, "-m", "kvfs.cli.fsck", str(kv.nvme_dir), "--dram-dir",
            str(kv.dram_dir)]
@@ -305,9 +314,31 @@ def test_fsck_clean_and_detects_corruption(kv):
     assert " 0 errors" in r.stdout
     path = kv.nvme_dir / "segments" / f"seg-{seg:08d}.kvs"
     raw = bytearray(path.read_bytes())
-    raw[4096 + 64 + 10] ^= 1
+    for off in range(4096, len(raw), 4096):
+        if raw[off:off + 4] == b"KVR1":
+            raw[off + 64 + 10] ^= 1
     path.write_bytes(bytes(raw))
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 4
     assert "checksum mismatch" in r.stdout or "decode" in r.stdout.lower()
     assert len(files) == 30
+
+
+def test_incompressible_chunk_in_compressible_file_survives_reboot(kv):
+    """Each record carries the codec it was really stored with (raw when a chunk did not
+    compress), not the file's codec choice."""
+    import numpy as np
+
+    npy = Path(__file__).resolve().parents[3] / "shared/data/kv/smollm2_kv_bf16.npy"
+    kvdata = np.load(npy, mmap_mode="r")
+    compressible = kvdata.reshape(-1).view(np.uint8)[:CHUNK].tobytes()
+    data = compressible + os.urandom(CHUNK) + compressible
+    with open(kv.path / "mixed", "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    codecs = [c["codec"] for c in kv.where("mixed")]
+    assert codecs[1] == 0 and codecs[0] != 0
+    kv.reboot()
+    kv.start()
+    assert (kv.path / "mixed").read_bytes() == data

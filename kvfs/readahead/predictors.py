@@ -1,0 +1,218 @@
+"""Predictors: what will be read next, from what the filesystem has seen so far.
+
+Everything here is plain bookkeeping on the trio thread (no awaits, no I/O); the scheduler
+turns predictions into prefetches.
+
+- `CallerStreams`: each caller (FUSE gives the pid of the calling thread) has its own access
+  order. Two accesses by the same caller less than `idle_s` apart are consecutive; anything
+  else starts a new run. Keeping one order per caller stops concurrent readers from inventing
+  edges between each other's files.
+- `SuccessorGraph`: file -> the files that followed it in some caller's access order, most
+  recent last. Edges come from two predictors:
+    * write-order chains (`KIND_WRITE`): engines write a request's blocks in prefix order and
+      later read them back in that order, so "created B right after touching A" predicts "B
+      is read right after A" before any read has happened;
+    * the learned read order (`KIND_READ`): "read B right after A", which replaces what the
+      write order said (it is more recent and it is what readers really do).
+  The walk follows the most recent successor at each step (a chain, not a tree): reused KV
+  prefixes are continued the way they were last continued.
+- `whole_file`: the chunks of one file in order (opening a file for reading predicts reading
+  it all).
+- `HintBook`: explicit hints (`user.kvfs.prefetch`), staged once however often they repeat,
+  and released when read or when they grow stale.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+Key = tuple[int, int]
+
+KIND_WHOLE = "whole_file"
+KIND_WRITE = "write_order"
+KIND_READ = "successor"
+KIND_HINT = "hint"
+KINDS = (KIND_WHOLE, KIND_WRITE, KIND_READ, KIND_HINT)
+
+
+class CallerStreams:
+    """The last file each caller touched, how and when: the per-caller access order.
+
+    A run ends after an idle gap, and where a caller goes from writing to reading: an engine
+    loads a request's reused blocks, then stores its new ones; the read that follows the
+    stores belongs to the next request, and an edge there would predict nothing."""
+
+    def __init__(self, *, idle_s: float = 1.0, max_callers: int = 4096) -> None:
+        self.idle_s = idle_s
+        self.max_callers = max_callers
+        # pid -> (ino, time, written)
+        self.last: OrderedDict[int, tuple[int, float, bool]] = OrderedDict()
+
+    def step(self, pid: int, ino: int, now: float, *, write: bool = False
+             ) -> tuple[int | None, float | None]:
+        """Record that *pid* read (or wrote) *ino* at *now*. Returns (previous file, gap)
+        when this access continues the caller's run, else (None, gap-or-None). Touching the
+        same file again changes nothing but the time."""
+        prev = self.last.get(pid)
+        self.last[pid] = (ino, now, write)
+        self.last.move_to_end(pid)
+        while len(self.last) > self.max_callers:
+            self.last.popitem(last=False)
+        if prev is None:
+            return None, None
+        gap = now - prev[1]
+        if prev[0] == ino or gap > self.idle_s or (prev[2] and not write):
+            return None, gap
+        return prev[0], gap
+
+    def new_run(self, pid: int, now: float, *, write: bool = False) -> bool:
+        """Would an access by *pid* at *now* start a new run?"""
+        prev = self.last.get(pid)
+        return prev is None or now - prev[1] > self.idle_s or (prev[2] and not write)
+
+    def forget(self, ino: int) -> None:
+        for pid in [p for p, v in self.last.items() if v[0] == ino]:
+            del self.last[pid]
+
+
+class SuccessorGraph:
+    """Bounded map file -> recent successors (most recent last) with edge kinds and counts."""
+
+    def __init__(self, *, max_nodes: int = 1 << 20, fanout: int = 4) -> None:
+        self.max_nodes = max_nodes
+        self.fanout = fanout
+        # ino -> OrderedDict(successor -> [kind, count]); the node dict is LRU by last link.
+        self.succ: OrderedDict[int, OrderedDict[int, list]] = OrderedDict()
+        self.pred: dict[int, set[int]] = {}
+        self.links = {KIND_WRITE: 0, KIND_READ: 0}
+
+    def __len__(self) -> int:
+        return len(self.succ)
+
+    def edges(self) -> int:
+        return sum(len(s) for s in self.succ.values())
+
+    def link(self, a: int, b: int, kind: str) -> None:
+        """b followed a. A read edge overrides a write edge; the newest edge is followed."""
+        if a == b:
+            return
+        self.links[kind] += 1
+        out = self.succ.get(a)
+        if out is None:
+            out = self.succ[a] = OrderedDict()
+        else:
+            self.succ.move_to_end(a)
+        edge = out.get(b)
+        if edge is None:
+            out[b] = [kind, 1]
+            self.pred.setdefault(b, set()).add(a)
+        else:
+            if kind == KIND_READ:
+                edge[0] = KIND_READ
+            edge[1] += 1
+            out.move_to_end(b)
+        while len(out) > self.fanout:
+            old, _ = out.popitem(last=False)
+            self._unpred(old, a)
+        while len(self.succ) > self.max_nodes:
+            node, gone = self.succ.popitem(last=False)
+            for s in gone:
+                self._unpred(s, node)
+
+    def _unpred(self, b: int, a: int) -> None:
+        p = self.pred.get(b)
+        if p is not None:
+            p.discard(a)
+            if not p:
+                del self.pred[b]
+
+    def next(self, a: int) -> tuple[int, str] | None:
+        out = self.succ.get(a)
+        if not out:
+            return None
+        b = next(reversed(out))
+        return b, out[b][0]
+
+    def chain(self, a: int, limit: int) -> Iterator[tuple[int, str]]:
+        """Up to *limit* files predicted to follow *a*, in order, each with the kind of the
+        edge that led to it. Stops at a file already on the chain (no cycles)."""
+        seen = {a}
+        for _ in range(limit):
+            step = self.next(a)
+            if step is None or step[0] in seen:
+                return
+            a = step[0]
+            seen.add(a)
+            yield step
+
+    def forget(self, ino: int) -> None:
+        """A file is gone: drop it and every edge to or from it."""
+        for b in self.succ.pop(ino, {}):
+            self._unpred(b, ino)
+        for a in self.pred.pop(ino, set()):
+            out = self.succ.get(a)
+            if out is not None:
+                out.pop(ino, None)
+
+
+def whole_file(ino: int, first: int, nchunks: Callable[[int], int], limit: int
+               ) -> Iterator[int]:
+    """Chunks first, first+1, ... of a file, at most *limit* of them."""
+    n = nchunks(ino)
+    return iter(range(first, min(n, first + limit)))
+
+
+def predict(graph: SuccessorGraph, key: Key, nchunks: Callable[[int], int], limit: int
+            ) -> list[tuple[Key, str]]:
+    """The *limit* chunks expected after *key*: the rest of its file (whole-file readahead),
+    then the files of its successor chain, each from its first chunk."""
+    ino, c = key
+    out: list[tuple[Key, str]] = [((ino, x), KIND_WHOLE)
+                                  for x in whole_file(ino, c + 1, nchunks, limit)]
+    if len(out) >= limit:
+        return out
+    for nxt, kind in graph.chain(ino, limit):
+        for x in itertools.islice(range(nchunks(nxt)), limit - len(out)):
+            out.append(((nxt, x), kind if x == 0 else KIND_WHOLE))
+        if len(out) >= limit:
+            break
+    return out
+
+
+class HintBook:
+    """Chunks an engine said it will read (user.kvfs.prefetch). A chunk hinted again while it
+    is still wanted is not staged again."""
+
+    def __init__(self, *, ttl_s: float = 60.0) -> None:
+        self.ttl_s = ttl_s
+        self.keys: OrderedDict[Key, float] = OrderedDict()  # key -> time of the first hint
+        self.repeats = 0
+
+    def add(self, key: Key, now: float) -> bool:
+        """True if *key* is new (the caller stages it), False if already wanted."""
+        if key in self.keys:
+            self.repeats += 1
+            return False
+        self.keys[key] = now
+        return True
+
+    def consumed(self, key: Key) -> bool:
+        return self.keys.pop(key, None) is not None
+
+    def expired(self, now: float) -> list[Key]:
+        out = []
+        while self.keys:
+            key, t = next(iter(self.keys.items()))
+            if now - t < self.ttl_s:
+                break
+            self.keys.popitem(last=False)
+            out.append(key)
+        return out
+
+    def forget(self, ino: int) -> list[Key]:
+        gone = [k for k in self.keys if k[0] == ino]
+        for k in gone:
+            del self.keys[k]
+        return gone

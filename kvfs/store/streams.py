@@ -1,0 +1,308 @@
+"""Placement streams: which open segment a record goes to, and the hints passed down.
+
+KV blocks die in groups: a request's private blocks go when the request ends, a shared prefix
+lives for hours, data the cleaner relocated is cold. Records of different streams never share
+a segment (kvfs/store/nvme.py), so a segment of short-lived records empties by itself and is
+unlinked without any copying, and long-lived records are not scattered among dying ones.
+
+Streams (a small fixed number, like FDP placement handles; mount option `streams=N`, 1-5):
+
+    id  name    holds                                          write-life hint
+    0   short   per-request blocks                             RWH_WRITE_LIFE_SHORT
+    1   gc      records relocated by the cleaner               RWH_WRITE_LIFE_EXTREME
+    2   long    shared prefixes, anything that outlives churn  RWH_WRITE_LIFE_LONG
+    3   medium  user data of unknown or middling lifetime      RWH_WRITE_LIFE_MEDIUM
+    4   cold    records relocated a second time (from `gc`)    RWH_WRITE_LIFE_EXTREME
+
+With fewer streams the classes fold: streams=1 is one log for everything (user and GC writes,
+no hint); streams=2 is user data + GC (the old layout); streams=3 puts `medium` with `long`
+(the `short` stream stays pure, so its segments keep emptying by themselves); streams=4 is the
+default. Stream ids are what record and segment headers carry (docs/FORMAT.md).
+
+Which class a file's records get, first match wins:
+1. `user.kvfs.lifetime` on the file, else on its nearest ancestor directory that has it:
+   `short`, `medium` or `long` (`auto` stops the search and asks the classifier). Set it on
+   the engine's per-request and prefix directories once; new files inherit it.
+2. Lifetimes kvfs observed for files under the same directories (LifetimeClassifier): a file
+   that dies within SHORT_FRACTION of the NVMe tier's worth of user writes after its first
+   record reached NVMe counts as short, one that outlives that as not short. The nearest
+   ancestor directory (parent first, root last) with enough decisive observations decides.
+3. Otherwise `medium`.
+
+Lifetimes are measured on a byte clock (user record bytes written to NVMe), not wall time:
+what matters for cleaning is how much was written while a record lived.
+
+Write-life hints: every segment file gets its stream's hint with fcntl(F_SET_RW_HINT), read
+back with F_GET_RW_HINT; `kvfsctl status` reports whether the kernel kept them, how many write
+streams the block device offers (0: the device ignores them) and whether it takes discards.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import struct
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+# <linux/fcntl.h>
+F_GET_RW_HINT = 1024 + 11
+F_SET_RW_HINT = 1024 + 12
+RWH_WRITE_LIFE_NOT_SET = 0
+RWH_WRITE_LIFE_NONE = 1
+RWH_WRITE_LIFE_SHORT = 2
+RWH_WRITE_LIFE_MEDIUM = 3
+RWH_WRITE_LIFE_LONG = 4
+RWH_WRITE_LIFE_EXTREME = 5
+HINT_NAMES = {0: "NOT_SET", 1: "NONE", 2: "SHORT", 3: "MEDIUM", 4: "LONG", 5: "EXTREME"}
+
+LIFETIME_XATTR = b"user.kvfs.lifetime"
+CLASSES = ("short", "gc", "long", "medium", "cold")  # index = stream id with 5 streams
+USER_CLASSES = ("short", "medium", "long")
+MAX_STREAMS = len(CLASSES)
+DEFAULT_STREAMS = 4
+_HINTS = {"short": RWH_WRITE_LIFE_SHORT, "gc": RWH_WRITE_LIFE_EXTREME,
+          "long": RWH_WRITE_LIFE_LONG, "medium": RWH_WRITE_LIFE_MEDIUM,
+          "cold": RWH_WRITE_LIFE_EXTREME}
+
+# A file that dies within this share of the NVMe tier's worth of user writes is short-lived.
+SHORT_FRACTION = 0.25
+# A directory's verdict needs this many observations and a clear majority either way.
+MIN_SAMPLES = 8
+DECISIVE = 0.75
+# Bounds on classifier memory: files being watched, directories with statistics.
+MAX_TRACKED = 200_000
+MAX_DIRS = 8192
+
+
+@dataclass(frozen=True)
+class StreamTable:
+    """The streams of one mount: their names and hints, and where each class goes."""
+
+    count: int
+    names: tuple[str, ...]
+    hints: tuple[int, ...]
+    route: dict  # class name -> stream id
+
+    @classmethod
+    def make(cls, count: int = DEFAULT_STREAMS) -> StreamTable:
+        if not 1 <= count <= MAX_STREAMS:
+            raise ValueError(f"streams must be between 1 and {MAX_STREAMS}, not {count}")
+        if count == 1:
+            return cls(1, ("all",), (RWH_WRITE_LIFE_NOT_SET,), dict.fromkeys(CLASSES, 0))
+        if count == 2:
+            route = {"short": 0, "medium": 0, "long": 0, "gc": 1, "cold": 1}
+            return cls(2, ("user", "gc"), (RWH_WRITE_LIFE_NOT_SET, RWH_WRITE_LIFE_EXTREME),
+                       route)
+        names = CLASSES[:count]
+        route = {c: i for i, c in enumerate(names)}
+        route.setdefault("medium", route["long"])
+        route.setdefault("cold", route["gc"])
+        return cls(count, names, tuple(_HINTS[n] for n in names), route)
+
+    @property
+    def gc(self) -> int:
+        return self.route["gc"]
+
+    @property
+    def separates_user_data(self) -> bool:
+        return len({self.route[c] for c in USER_CLASSES}) > 1
+
+    def gc_destination(self, victim_stream: int) -> int:
+        """Where the cleaner copies a live record found in a segment of *victim_stream*:
+        relocated data is cold; data relocated twice is colder still (if there is a stream)."""
+        if victim_stream in (self.route["gc"], self.route["cold"]):
+            return self.route["cold"]
+        return self.route["gc"]
+
+    def name(self, stream: int) -> str:
+        return self.names[stream] if stream < self.count else f"stream{stream}"
+
+
+def set_write_hint(fd: int, hint: int) -> bool:
+    """Give a file a write-life hint; True if the kernel kept it (read back)."""
+    try:
+        fcntl.fcntl(fd, F_SET_RW_HINT, struct.pack("Q", hint))
+        got = fcntl.fcntl(fd, F_GET_RW_HINT, bytes(8))
+        return struct.unpack("Q", got)[0] == hint
+    except OSError:
+        return False
+
+
+def device_info(path: str) -> dict:
+    """What the block device under *path* does with hints and discards (best effort)."""
+    out: dict = {"device": None, "write_streams": None, "discard": None, "fs_discard": None}
+    try:
+        dev = os.stat(path).st_dev
+        out["device"] = f"{os.major(dev)}:{os.minor(dev)}"
+        base = f"/sys/dev/block/{out['device']}"
+        queue = base + "/queue"
+        if not os.path.isdir(queue):
+            queue = base + "/../queue"  # a partition: the queue is its disk's
+        for key, name in (("write_streams", "max_write_streams"),
+                          ("discard", "discard_max_bytes")):
+            try:
+                with open(os.path.join(queue, name)) as f:
+                    value = int(f.read().strip())
+                out[key] = value if key == "write_streams" else value > 0
+            except (OSError, ValueError):
+                pass
+        with open("/proc/self/mountinfo") as f:
+            best = ""
+            for line in f:
+                parts = line.split()
+                if parts[2] == out["device"] and path.startswith(parts[4]) and \
+                        len(parts[4]) >= len(best):
+                    best = parts[4]
+                    sep = parts.index("-")
+                    opts = parts[5].split(",") + parts[sep + 3].split(",")
+                    out["fs_discard"] = "discard" in opts
+    except OSError:
+        pass
+    return out
+
+
+class _DirStats:
+    __slots__ = ("n", "p_short")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.p_short = 0.0
+
+    def add(self, short: bool) -> None:
+        self.n += 1
+        self.p_short += (float(short) - self.p_short) / min(self.n, 32)
+
+    def verdict(self) -> str | None:
+        if self.n < MIN_SAMPLES:
+            return None
+        if self.p_short >= DECISIVE:
+            return "short"
+        if self.p_short <= 1 - DECISIVE:
+            return "long"
+        return "medium"  # a directory of mixed lifetimes
+
+
+class LifetimeClassifier:
+    """Chooses a stream for each file's records: explicit hint, else learned per directory.
+
+    Runs on the trio thread only. `stream_of` is ChunkStore.stream_of (called once per chunk
+    writeback); `deleted` is ChunkStore.file_deleted. A file is watched from the first time
+    one of its records reaches NVMe until it dies (outcome: short) or until SHORT_FRACTION
+    of the tier has been written since (outcome: not short); each outcome updates the file's
+    directory and every ancestor. State is in memory only: it is relearned after a remount.
+    """
+
+    def __init__(self, ns, table: StreamTable, clock: Callable[[], int], tier_bytes: int,
+                 short_fraction: float = SHORT_FRACTION) -> None:
+        self.ns = ns
+        self.table = table
+        self.clock = clock
+        self.horizon = max(1, int(short_fraction * tier_bytes))
+        self._watch: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()
+        self._dirs: OrderedDict[int, _DirStats] = OrderedDict()
+        self._bad_values: set[bytes] = set()
+        self.decisions = {"hint": 0, "learned": 0, "default": 0}
+        self.outcomes = {"short": 0, "not_short": 0}
+
+    # -- the store's hooks ---------------------------------------------------------------
+    def stream_of(self, ino: int) -> int:
+        return self.table.route[self.classify(ino)]
+
+    def deleted(self, ino: int) -> None:
+        self._expire()
+        entry = self._watch.pop(ino, None)
+        if entry is not None:
+            self._outcome(entry[1], short=True)
+
+    # -- classification ------------------------------------------------------------------
+    def classify(self, ino: int) -> str:
+        self._expire()
+        chain = self._chain(ino)
+        if ino not in self._watch:
+            if len(self._watch) >= MAX_TRACKED:
+                self._watch.popitem(last=False)  # forget the oldest without an outcome
+            self._watch[ino] = (self.clock(), chain)
+        if not self.table.separates_user_data:
+            return "medium"  # one user stream: nothing to decide
+        hinted = self._hint(ino, chain)
+        if hinted is not None and hinted != "auto":
+            self.decisions["hint"] += 1
+            return hinted
+        for d in chain:
+            st = self._dirs.get(d)
+            verdict = st.verdict() if st is not None else None
+            if verdict is not None:
+                self.decisions["learned"] += 1
+                return verdict
+        self.decisions["default"] += 1
+        return "medium"
+
+    def _chain(self, ino: int) -> tuple[int, ...]:
+        """The file's directory and its ancestors, nearest first, root last."""
+        names = self.ns.names_of(ino)
+        if not names:
+            return ()
+        d = min(names)[0]
+        out = [d]
+        parent = self.ns.parent
+        while len(out) < 64:
+            up = parent.get(d, d)
+            if up == d:
+                break
+            out.append(up)
+            d = up
+        return tuple(out)
+
+    def _hint(self, ino: int, chain: tuple[int, ...]) -> str | None:
+        for i in (ino, *chain):
+            value = self.ns.getxattr(i, LIFETIME_XATTR)
+            if value is None:
+                continue
+            v = value.strip().lower()
+            if v in (b"short", b"medium", b"long", b"auto"):
+                return v.decode()
+            if value not in self._bad_values:
+                self._bad_values.add(value)
+                log.warning("inode %d: ignoring %s=%r (use short, medium, long or auto)", i,
+                            LIFETIME_XATTR.decode(), value)
+        return None
+
+    # -- learning ------------------------------------------------------------------------
+    def _expire(self) -> None:
+        """Files watched for longer than the horizon survived it: not short."""
+        cutoff = self.clock() - self.horizon
+        watch = self._watch
+        while watch:
+            ino, (t, chain) = next(iter(watch.items()))
+            if t > cutoff:
+                break
+            del watch[ino]
+            self._outcome(chain, short=False)
+
+    def _outcome(self, chain: tuple[int, ...], *, short: bool) -> None:
+        self.outcomes["short" if short else "not_short"] += 1
+        for d in chain:
+            st = self._dirs.get(d)
+            if st is None:
+                if len(self._dirs) >= MAX_DIRS:
+                    self._dirs.popitem(last=False)
+                st = self._dirs[d] = _DirStats()
+            else:
+                self._dirs.move_to_end(d)
+            st.add(short)
+
+    def stats(self) -> dict:
+        verdicts: dict[str, int] = {}
+        for st in self._dirs.values():
+            v = st.verdict() or "undecided"
+            verdicts[v] = verdicts.get(v, 0) + 1
+        return {"placement": {"decisions": dict(self.decisions),
+                              "outcomes": dict(self.outcomes),
+                              "watched_files": len(self._watch),
+                              "short_horizon_bytes": self.horizon,
+                              "directories": verdicts}}

@@ -1,0 +1,222 @@
+"""Prefetch through a real mount: write-order chains, the learned read order, hints (xattr,
+kvfsctl, kvfs.client), staged chunks surviving a write flood, prediction off, and the
+metrics in `kvfsctl status`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+from kvfs import client
+
+KVFSCTL = [sys.executable, "-m", "kvfs.cli.ctl"]
+CS = 64 << 10  # the fixture's chunk size
+IDLE = 1.2  # a little more than kvfs.readahead.IDLE_S: the next access starts a new run
+
+
+def block(tag: str, i: int, size: int = CS) -> bytes:
+    head = f"{tag}{i:06d}".encode()
+    return (head * (size // len(head) + 1))[:size]
+
+
+def write(m, name: str, data: bytes) -> None:
+    with open(m.path / name, "wb") as f:
+        f.write(data)
+
+
+def read(m, name: str) -> bytes:
+    with open(m.path / name, "rb") as f:
+        return f.read()
+
+
+def on_nvme_only(m, name: str) -> bool:
+    return all(c["tiers"] == ["nvme"] for c in m.where(name))
+
+
+def in_dram(m, name: str) -> bool:
+    chunks = m.where(name)
+    return bool(chunks) and all("dram" in c["tiers"] for c in chunks)
+
+
+def lead_in(m, tag: str) -> None:
+    """Start a write run with a few files of no interest: kvfs keeps the first files of a run
+    in DRAM (nothing predicts them), and the tests want their files to leave DRAM."""
+    for i in range(6):
+        write(m, f"{tag}-lead-in-{i}", block("L", i))
+
+
+def push_to_nvme(m, names: list[str], tag: str = "filler") -> None:
+    """Write filler until every file in *names* has left DRAM. Files that were read first
+    by some reader sit in the protected segment: reading filler (each file by a new caller,
+    so nothing predicts it) pushes them out."""
+    for round_ in range(40):
+        if all(on_nvme_only(m, n) for n in names):
+            return
+        fill = [f"{tag}-{round_}-{i}" for i in range(32)]
+        for i, f in enumerate(fill):
+            write(m, f, block("F", i))
+        if round_ % 2:
+            for f in fill:
+                in_thread(read, m, f)
+        time.sleep(0.05)
+    raise AssertionError("files did not leave DRAM")
+
+
+def wait_for(pred, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+def in_thread(fn, *args):
+    """Run fn in a fresh thread: kvfs sees a new caller (FUSE reports the thread id)."""
+    out = {}
+
+    def run():
+        out["value"] = fn(*args)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out.get("value")
+
+
+def test_write_order_chain_prefetches_before_first_read(kv):
+    names = [f"req1-{i:03d}" for i in range(12)]
+    lead_in(kv, "req1")
+    for i, n in enumerate(names):  # an engine writes a request's blocks in prefix order
+        write(kv, n, block("A", i))
+    push_to_nvme(kv, names)
+    time.sleep(IDLE)
+    before = kv.status()["prefetch"]
+    assert in_thread(read, kv, names[0]) == block("A", 0)  # read by a new caller
+    assert wait_for(lambda: all(in_dram(kv, n) for n in names[1:6]))
+
+    def read_rest():
+        return [read(kv, n) for n in names[:8]]
+
+    assert in_thread(read_rest) == [block("A", i) for i in range(8)]
+    st = kv.status()["prefetch"]
+    assert st["used_chunks"] - before["used_chunks"] >= 5
+    assert st["scheduler"]["by_predictor"]["write_order"]["used"] >= 5
+
+
+def test_read_order_is_learned_per_reader(kv):
+    b = [f"b-{i:03d}" for i in range(10)]
+    c = [f"c-{i:03d}" for i in range(10)]
+    lead_in(kv, "bc")
+    for i in reversed(range(10)):  # written in the opposite order: write order misleads
+        write(kv, b[i], block("B", i))
+        write(kv, c[i], block("C", i))
+    time.sleep(IDLE)
+    # Two readers read their own chain, interleaved step by step.
+    barrier = threading.Barrier(2)
+
+    def reader(names, tag):
+        for i, n in enumerate(names):
+            barrier.wait()
+            assert read(kv, n) == block(tag, i)
+
+    ts = [threading.Thread(target=reader, args=(b, "B")),
+          threading.Thread(target=reader, args=(c, "C"))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    push_to_nvme(kv, b + c)
+    time.sleep(IDLE)
+    in_thread(read, kv, b[0])
+    assert wait_for(lambda: all(in_dram(kv, n) for n in b[1:5]))
+    # Nothing crossed over from the other reader. (Only the write order links b-009 to
+    # c-009, written right after it, so a chain may end there.)
+    assert not any(in_dram(kv, n) for n in c[:8])
+    st = kv.status()["prefetch"]
+    assert st["scheduler"]["by_predictor"]["successor"]["issued"] >= 4
+
+
+def test_hints_stage_files_once(kv):
+    size = 4 * CS
+    lead_in(kv, "h")
+    write(kv, "h1", block("H", 1, size))
+    write(kv, "h2", block("H", 2, size))
+    push_to_nvme(kv, ["h1", "h2"])
+    before = kv.status()["prefetch"]["issued_chunks"]
+    # Several queued requests want h1: it is staged once.
+    assert client.prefetch([kv.path / "h1", kv.path / "h1", kv.path / "missing"]) == 2
+    r = subprocess.run(KVFSCTL + ["prefetch", str(kv.path / "h1"), str(kv.path / "h2")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert wait_for(lambda: in_dram(kv, "h1") and in_dram(kv, "h2"))
+    time.sleep(0.2)
+    st = kv.status()["prefetch"]
+    assert st["issued_chunks"] - before == 8
+    assert st["hint_repeats"] >= 2
+    assert read(kv, "h1") == block("H", 1, size)
+    r = subprocess.run(KVFSCTL + ["prefetch", str(kv.path / "nope")], capture_output=True,
+                       text=True)
+    assert r.returncode == 1 and "nope" in r.stderr
+
+
+def test_staged_chunks_survive_a_write_flood(kv):
+    names = [f"s-{i}" for i in range(6)]
+    lead_in(kv, "s")
+    for i, n in enumerate(names):
+        write(kv, n, block("S", i))
+    push_to_nvme(kv, names)
+    client.prefetch(kv.path / n for n in names)
+    assert wait_for(lambda: all(in_dram(kv, n) for n in names))
+
+    def flood():  # another caller writes twice the DRAM tier
+        for i in range(128):
+            write(kv, f"flood-{i}", block("W", i))
+
+    in_thread(flood)
+    assert all(in_dram(kv, n) for n in names)  # protected until read
+    before = kv.status()["reads"]["chunks_from_dram"]
+    assert [read(kv, n) for n in names] == [block("S", i) for i in range(6)]
+    assert kv.status()["reads"]["chunks_from_dram"] - before == 6
+
+
+def test_prediction_off_is_the_plain_policy(mount_factory):
+    m = mount_factory(prefetch="off")
+    names = [f"p-{i:03d}" for i in range(8)]
+    lead_in(m, "p")
+    for i, n in enumerate(names):
+        write(m, n, block("P", i))
+    push_to_nvme(m, names)
+    time.sleep(IDLE)
+    in_thread(read, m, names[0])
+    client.prefetch([m.path / names[5]])
+    time.sleep(0.5)
+    assert all(on_nvme_only(m, n) for n in names[1:])
+    st = m.status()["prefetch"]
+    assert st["enabled"] is False and st["issued_chunks"] == 0
+    assert st["hints_ignored"] == 1
+
+
+def test_status_metrics_and_table(kv):
+    names = [f"t-{i}" for i in range(6)]
+    lead_in(kv, "t")
+    for i, n in enumerate(names):
+        write(kv, n, block("T", i))
+    push_to_nvme(kv, names)
+    time.sleep(IDLE)
+    in_thread(lambda: [read(kv, n) for n in names])
+    st = kv.status()
+    for k in ("issued_chunks", "used_chunks", "late_chunks", "wasted_chunks"):
+        assert isinstance(st["prefetch"][k], int)
+    for k in ("latency_us_log2_histogram", "dram_latency_us_log2_histogram",
+              "nvme_latency_us_log2_histogram"):
+        assert len(st["reads"][k]) == 24
+    assert sum(st["reads"]["dram_latency_us_log2_histogram"]) == st["reads"]["chunks_from_dram"]
+    assert st["prefetch"]["scheduler"]["max_in_flight"] <= st["prefetch"]["scheduler"][
+        "concurrency"]
+    r = subprocess.run(KVFSCTL + ["status", str(kv.path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "DRAM hit rate" in r.stdout and "accuracy" in r.stdout
+    assert "read latency" in r.stdout

@@ -1,0 +1,449 @@
+#!/usr/bin/env python3
+"""Replay a Mooncake-format KV-cache trace through a mounted kvfs and compare with offline
+caches on the same trace and DRAM capacity.
+
+Each hash id becomes one block file of --block-size bytes in one flat directory. Requests
+run in timestamp order: a request reads the blocks it shares with earlier requests (its
+reused prefix) in order, then writes the blocks never seen before. Each request runs on its
+own thread (an engine worker loading one request: kvfs sees a distinct caller per request),
+or with --reader pool on a fixed pool of --workers threads. Arrival is as fast as possible
+(--arrival fast, at most --workers requests at a time) or follows the trace's timestamps
+divided by --time-scale.
+
+For each mode (kvfs with prediction on, with prediction off) it mounts a fresh kvfs with a
+DRAM tier of --dram-pct percent of the replayed unique blocks and an NVMe tier big enough for
+all of them, replays, and reports from `kvfsctl status` counters and client-side timings:
+
+  DRAM hit rate among reuse reads (chunks served from DRAM / chunks read), the share served
+  on time (not waiting for an in-flight prefetch), prefetch accuracy (used / issued), wasted
+  prefetch bytes, p50/p99 block read latency (open+read+close, client side) and the p50 of
+  DRAM hits (reads sampled with `user.kvfs.where` just before reading, every --sample-every
+  reads), plus the offline LRU and Belady (OPT) hit rates for the same trace and capacity.
+
+    python tools/trace_replay.py --requests 1500          # a prefix of the trace
+    python tools/trace_replay.py --block-size 64K --requests 400 --modes on
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = Path("/work/shared/data/traces/mooncake_synthetic_trace.jsonl")
+KV_DATA = Path("/work/shared/data/kv/smollm2_kv_fp16.npy")
+sys.path.insert(0, str(ROOT))
+
+import xxhash  # noqa: E402
+
+from kvfs.config import format_size, parse_size  # noqa: E402
+
+
+# -- the trace ---------------------------------------------------------------------------------
+@dataclass
+class Request:
+    ts: float  # seconds
+    reads: list[int]
+    writes: list[int]
+
+
+def load_trace(path: Path, limit: int | None) -> list[Request]:
+    rows = [json.loads(line) for line in path.open() if line.strip()]
+    rows.sort(key=lambda r: r["timestamp"])  # stable: ties keep file order
+    if limit:
+        rows = rows[:limit]
+    seen: set[int] = set()
+    out = []
+    for r in rows:
+        ids = r["hash_ids"]
+        k = 0
+        while k < len(ids) and ids[k] in seen:
+            k += 1
+        new = [h for h in ids[k:] if h not in seen]  # all reuse is a prefix in Mooncake traces
+        out.append(Request(r["timestamp"] / 1000.0, ids[:k], list(dict.fromkeys(new))))
+        seen.update(ids)
+    return out
+
+
+def offline_lru(acc: list[tuple[int, bool]], cap: int) -> float:
+    """Hit rate among reads of an LRU cache of *cap* blocks that every access goes through."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = reads = 0
+    for b, is_read in acc:
+        if is_read:
+            reads += 1
+            hits += b in cache
+        cache[b] = None
+        cache.move_to_end(b)
+        if len(cache) > cap:
+            cache.popitem(last=False)
+    return hits / reads if reads else 0.0
+
+
+def offline_belady(acc: list[tuple[int, bool]], cap: int) -> float:
+    """Belady's OPT (demand-only, may bypass): evict the block used furthest in the future."""
+    never = len(acc) + 1
+    nxt = [never] * len(acc)
+    last: dict[int, int] = {}
+    for i in range(len(acc) - 1, -1, -1):
+        b = acc[i][0]
+        nxt[i] = last.get(b, never)
+        last[b] = i
+    cache: dict[int, int] = {}
+    heap: list[tuple[int, int]] = []
+    hits = reads = 0
+    for i, (b, is_read) in enumerate(acc):
+        if is_read:
+            reads += 1
+            hits += b in cache
+        cache[b] = nxt[i]
+        heapq.heappush(heap, (-nxt[i], b))
+        while len(cache) > cap:
+            neg, victim = heapq.heappop(heap)
+            if cache.get(victim) == -neg:
+                del cache[victim]
+    return hits / reads if reads else 0.0
+
+
+# -- block contents ----------------------------------------------------------------------------
+class Blocks:
+    """Deterministic block bytes: real fp16 KV data (or random bytes), stamped with the id."""
+
+    def __init__(self, size: int, content: str) -> None:
+        self.size = size
+        pool = b""
+        if content == "kv" and KV_DATA.exists():
+            import numpy as np
+
+            raw = np.load(KV_DATA, mmap_mode="r").reshape(-1).view(np.uint8)
+            pool = bytes(raw[: (len(raw) // size) * size])
+        if len(pool) < size:
+            pool = os.urandom(max(64, (8 << 20) // size) * size)
+        self.pool = pool
+        self.n = len(pool) // size
+        self.sums: dict[int, int] = {}
+
+    def get(self, h: int) -> bytes:
+        i = (h * 2654435761) % self.n
+        data = h.to_bytes(8, "little") + self.pool[i * self.size + 8:(i + 1) * self.size]
+        self.sums[h] = xxhash.xxh3_64_intdigest(data)
+        return data
+
+    def check(self, h: int, data: bytes) -> bool:
+        """Is *data* what was written as block *h*? (Its xxh3, recorded when written.)"""
+        return len(data) == self.size and xxhash.xxh3_64_intdigest(data) == self.sums.get(h)
+
+
+# -- one kvfs run --------------------------------------------------------------------------------
+@dataclass
+class Run:
+    mode: str
+    lat_all: list[float] = field(default_factory=list)
+    lat_hit: list[float] = field(default_factory=list)
+    lat_miss: list[float] = field(default_factory=list)
+    miss_pos: list[int] = field(default_factory=list)  # position in its request of sampled misses
+    errors: int = 0
+    wrong: int = 0
+    seconds: float = 0.0
+    before: dict = field(default_factory=dict)
+    after: dict = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def status(mnt: Path) -> dict:
+    return json.loads(os.getxattr(mnt, "user.kvfs.status"))
+
+
+def in_dram(path: str) -> bool | None:
+    try:
+        w = json.loads(os.getxattr(path, "user.kvfs.where"))
+    except OSError:
+        return None
+    return all("dram" in c["tiers"] for c in w["chunks"])
+
+
+def do_request(req: Request, d: str, blocks: Blocks, run: Run, sample_every: int,
+               counter: list[int]) -> None:
+    lat, hit, miss, miss_pos, wrong, errors = [], [], [], [], 0, 0
+    bs = blocks.size
+    for i, h in enumerate(req.reads):
+        path = f"{d}/{h:010d}"
+        counter[0] += 1  # racy across threads; only picks which reads are sampled
+        sampled = sample_every and counter[0] % sample_every == 0
+        tier = in_dram(path) if sampled else None
+        t0 = time.perf_counter()
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                data = os.read(fd, bs)
+            finally:
+                os.close(fd)
+        except OSError:
+            errors += 1
+            continue
+        dt = time.perf_counter() - t0
+        lat.append(dt)
+        if tier is True:
+            hit.append(dt)
+        elif tier is False:
+            miss.append(dt)
+            miss_pos.append(i)
+        if not blocks.check(h, data):
+            wrong += 1
+    for h in req.writes:
+        path = f"{d}/{h:010d}"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, blocks.get(h))
+            finally:
+                os.close(fd)
+        except OSError:
+            errors += 1
+    with run.lock:
+        run.lat_all += lat
+        run.lat_hit += hit
+        run.lat_miss += miss
+        run.miss_pos += miss_pos
+        run.wrong += wrong
+        run.errors += errors
+
+
+def replay(reqs: list[Request], mnt: Path, blocks: Blocks, run: Run, args) -> None:
+    d = str(mnt / "blocks")
+    os.mkdir(d)
+    run.before = status(mnt)
+    slots = threading.Semaphore(args.workers)
+    counter = [0]
+    threads: list[threading.Thread] = []
+    t_start = time.perf_counter()
+    step = max(1, len(reqs) // 10)
+
+    def one(req: Request) -> None:
+        try:
+            do_request(req, d, blocks, run, args.sample_every, counter)
+        finally:
+            slots.release()
+
+    pool_q: list = []
+    if args.reader == "pool":
+        import queue
+
+        q: queue.Queue = queue.Queue()
+        pool_q.append(q)
+
+        def worker() -> None:
+            while True:
+                req = q.get()
+                if req is None:
+                    return
+                one(req)
+
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.workers)]
+        for t in threads:
+            t.start()
+    t0_trace = reqs[0].ts if reqs else 0.0
+    for i, req in enumerate(reqs):
+        if args.arrival == "timestamps":
+            due = (req.ts - t0_trace) / args.time_scale
+            delay = due - (time.perf_counter() - t_start)
+            if delay > 0:
+                time.sleep(delay)
+        slots.acquire()
+        if pool_q:
+            pool_q[0].put(req)
+        else:
+            t = threading.Thread(target=one, args=(req,), daemon=True)
+            t.start()
+            threads.append(t)
+            if len(threads) > 64:
+                threads = [t for t in threads if t.is_alive()]
+        if (i + 1) % step == 0:
+            print(f"  [{run.mode}] {i + 1}/{len(reqs)} requests, "
+                  f"{time.perf_counter() - t_start:.0f}s", file=sys.stderr, flush=True)
+    if pool_q:
+        for _ in threads:
+            pool_q[0].put(None)
+    for t in threads:
+        t.join()
+    run.seconds = time.perf_counter() - t_start
+    run.after = status(mnt)
+
+
+def mount_and_replay(mode: str, reqs: list[Request], blocks: Blocks, cap_blocks: int,
+                     unique: int, args) -> Run:
+    run = Run(mode)
+    base = Path(tempfile.mkdtemp(prefix=f"kvfs-replay-{mode}-", dir=args.work_dir))
+    mnt, nvme = base / "mnt", base / "nvme"
+    mnt.mkdir()
+    dram = Path("/dev/shm") / f"kvfs-replay-{uuid.uuid4().hex[:12]}"
+    bs = blocks.size
+    seg = 64 << 20
+    nvme_size = max(8 * seg, int(unique * bs * 1.3) + 16 * seg)  # "unbounded": all of it fits
+    opts = {"dram_size": cap_blocks * bs, "nvme_size": nvme_size, "chunk_size": args.chunk_size,
+            "segment_size": seg, "prefetch": "on" if mode == "on" else "off"}
+    if args.options:
+        opts.update(dict(o.split("=", 1) for o in args.options.split(",")))
+    cmd = [sys.executable, "-m", "kvfs", "mount", str(mnt), "--dram-dir", str(dram),
+           "--nvme-dir", str(nvme), "-o", ",".join(f"{k}={v}" for k, v in opts.items())]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if r.returncode:
+        shutil.rmtree(base, ignore_errors=True)
+        raise SystemExit(f"mount failed: {r.stderr}")
+    try:
+        replay(reqs, mnt, blocks, run, args)
+    finally:
+        subprocess.run([sys.executable, "-m", "kvfs", "umount", str(mnt)], cwd=ROOT,
+                       capture_output=True, timeout=600)
+        shutil.rmtree(dram, ignore_errors=True)
+        if args.keep:
+            print(f"  kept {base}", file=sys.stderr)
+        else:
+            shutil.rmtree(base, ignore_errors=True)
+    return run
+
+
+# -- report --------------------------------------------------------------------------------------
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+def summarize(run: Run) -> dict:
+    a, b = run.after, run.before
+    rd = {k: a["reads"][k] - b["reads"][k] for k in ("chunks_from_dram", "chunks_from_nvme")}
+    pf = {k: a["prefetch"][k] - b["prefetch"].get(k, 0)
+          for k in ("issued_chunks", "used_chunks", "late_chunks", "wasted_chunks")}
+    total = rd["chunks_from_dram"] + rd["chunks_from_nvme"]
+    cs = a["settings"]["chunk_size"]
+    us = 1e6
+    return {
+        "mode": run.mode, "seconds": round(run.seconds, 1), "block_reads": len(run.lat_all),
+        "chunk_reads": total, "errors": run.errors, "wrong_bytes": run.wrong,
+        "dram_hit_rate": rd["chunks_from_dram"] / total if total else None,
+        "on_time_rate": (rd["chunks_from_dram"] - pf["late_chunks"]) / total if total else None,
+        "prefetch_issued": pf["issued_chunks"], "prefetch_used": pf["used_chunks"],
+        "prefetch_late": pf["late_chunks"], "prefetch_wasted": pf["wasted_chunks"],
+        "prefetch_unread_at_end": a["prefetch"].get("resident_unread_chunks", 0),
+        "accuracy": pf["used_chunks"] / pf["issued_chunks"] if pf["issued_chunks"] else None,
+        "wasted_bytes": pf["wasted_chunks"] * cs,
+        "p50_us": _r(pct(run.lat_all, 0.5), us), "p99_us": _r(pct(run.lat_all, 0.99), us),
+        "p999_us": _r(pct(run.lat_all, 0.999), us),
+        "hit_p50_us": _r(pct(run.lat_hit, 0.5), us), "hit_p99_us": _r(pct(run.lat_hit, 0.99), us),
+        "hit_samples": len(run.lat_hit),
+        "miss_p50_us": _r(pct(run.lat_miss, 0.5), us), "miss_samples": len(run.lat_miss),
+        "miss_positions": {p: run.miss_pos.count(p) for p in sorted(set(run.miss_pos))[:8]},
+        "readahead": {k: v for k, v in a["prefetch"].items()
+                      if k in ("depth_chunks", "lead_chunks", "fetch_latency_us",
+                               "reader_gap_us", "cheap_hits")},
+    }
+
+
+def _r(x: float | None, scale: float) -> float | None:
+    return None if x is None else round(x * scale)
+
+
+def _p(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _n(x) -> str:
+    return "-" if x is None else str(x)
+
+
+def print_table(meta: dict, runs: list[dict], lru: float, opt: float) -> None:
+    print(f"\ntrace {meta['trace']}: first {meta['requests']} of {meta['trace_requests']} "
+          f"requests, {meta['reuse_reads']} reuse reads, {meta['writes']} block writes, "
+          f"{meta['unique']} unique blocks of {format_size(meta['block_size'])}")
+    print(f"DRAM tier {meta['dram_pct']}% of unique blocks = {meta['cap_blocks']} blocks "
+          f"({format_size(meta['cap_blocks'] * meta['block_size'])}), NVMe unbounded, chunk "
+          f"{format_size(meta['chunk_size'])}, arrival {meta['arrival']}, {meta['workers']} "
+          f"worker(s), reader per {'request' if meta['reader'] == 'request' else 'pool thread'}")
+    hdr = (f"{'':22} {'DRAM hit':>8} {'on time':>8} {'accuracy':>8} {'wasted':>10} "
+           f"{'p50 us':>7} {'p99 us':>7} {'hit p50':>7} {'p99/hitp50':>10} {'secs':>6}")
+    print(hdr)
+    for s in runs:
+        ratio = (f"{s['p99_us'] / s['hit_p50_us']:.2f}" if s["p99_us"] and s["hit_p50_us"]
+                 else "-")
+        name = f"kvfs prediction {s['mode']}"
+        wasted = format_size(s["wasted_bytes"]) if s["prefetch_issued"] else "-"
+        print(f"{name:22} {_p(s['dram_hit_rate']):>8} {_p(s['on_time_rate']):>8} "
+              f"{_p(s['accuracy']):>8} {wasted:>10} {_n(s['p50_us']):>7} "
+              f"{_n(s['p99_us']):>7} {_n(s['hit_p50_us']):>7} {ratio:>10} {s['seconds']:>6}")
+    print(f"{'offline LRU':22} {_p(lru):>8}")
+    print(f"{'offline Belady (OPT)':22} {_p(opt):>8}")
+    for s in runs:
+        if s["errors"] or s["wrong_bytes"]:
+            print(f"!! {s['mode']}: {s['errors']} I/O errors, {s['wrong_bytes']} wrong reads")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", type=Path, default=TRACE)
+    p.add_argument("--requests", type=int, default=0, help="replay the first N (0: all)")
+    p.add_argument("--block-size", default="256K")
+    p.add_argument("--chunk-size", default=None, help="kvfs chunk size (default: block size)")
+    p.add_argument("--dram-pct", type=float, default=5.0)
+    p.add_argument("--modes", default="on,off", help="on, off or on,off")
+    p.add_argument("--arrival", choices=("fast", "timestamps"), default="fast")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="with --arrival timestamps: replay this many times faster")
+    p.add_argument("--workers", type=int, default=1, help="requests in progress at once")
+    p.add_argument("--reader", choices=("request", "pool"), default="request",
+                   help="a thread per request, or a fixed pool of --workers threads")
+    p.add_argument("--content", choices=("kv", "random"), default="kv")
+    p.add_argument("--sample-every", type=int, default=20,
+                   help="classify every Nth read as DRAM hit or miss (0: never)")
+    p.add_argument("--options", default="", help="extra kvfs -o options, k=v,...")
+    p.add_argument("--work-dir", default="/var/tmp")
+    p.add_argument("--keep", action="store_true")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args(argv)
+    bs = parse_size(args.block_size)
+    args.chunk_size = parse_size(args.chunk_size) if args.chunk_size else bs
+    trace_requests = sum(1 for line in args.trace.open() if line.strip())
+    reqs = load_trace(args.trace, args.requests or None)
+    acc = [a for r in reqs for a in [(b, True) for b in r.reads] + [(b, False) for b in r.writes]]
+    unique = len({b for b, _ in acc})
+    cap = max(4, math.ceil(args.dram_pct / 100 * unique))
+    cap = max(cap, math.ceil(4 * args.chunk_size / bs))
+    meta = {"trace": str(args.trace), "trace_requests": trace_requests, "requests": len(reqs),
+            "reuse_reads": sum(len(r.reads) for r in reqs),
+            "writes": sum(len(r.writes) for r in reqs), "unique": unique, "block_size": bs,
+            "chunk_size": args.chunk_size, "dram_pct": args.dram_pct, "cap_blocks": cap,
+            "arrival": args.arrival if args.arrival == "fast"
+            else f"timestamps/{args.time_scale:g}", "workers": args.workers,
+            "reader": args.reader, "content": args.content}
+    lru, opt = offline_lru(acc, cap), offline_belady(acc, cap)
+    print(f"offline on {len(reqs)} requests, capacity {cap} blocks: LRU {_p(lru)}, "
+          f"Belady {_p(opt)}", file=sys.stderr)
+    blocks = Blocks(bs, args.content)
+    runs = []
+    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        run = mount_and_replay(mode, reqs, blocks, cap, unique, args)
+        runs.append(summarize(run))
+        print(f"  [{mode}] {json.dumps(runs[-1])}", file=sys.stderr)
+    print_table(meta, runs, lru, opt)
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "offline": {"lru": lru, "belady": opt},
+                                         "runs": runs}, indent=1))
+    return 0 if all(not s["errors"] and not s["wrong_bytes"] for s in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
