@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-KV_NPY = Path("/work/shared/data/kv/smollm2_kv_bf16.npy")
+KV_NPY = Path(__file__).resolve().parents[2] / "shared/data/kv/smollm2_kv_bf16.npy"
 ALIGN = 4096  # what O_DIRECT users align buffers, offsets and lengths to
 FILL_FILE = 256 << 10
 

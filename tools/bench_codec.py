@@ -216,7 +216,8 @@ def bench(data: str, blocks: list[bytes], block: str, contenders: list[Contender
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data-dir", default="/work/shared/data/kv")
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "kv"
+    ap.add_argument("--data-dir", default=str(shared))
     ap.add_argument("--reps", type=int, default=7, help="timed reps per data set; best is shown")
     ap.add_argument("--cpu", type=int, default=None, help="CPU to pin to (default: the last one)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")

@@ -66,7 +66,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-DATA = Path("/work/shared/data/kv/smollm2_kv_bf16.npy")
+DATA = Path(__file__).resolve().parents[2] / "shared/data/kv/smollm2_kv_bf16.npy"
 PAGE = mmap.PAGESIZE
 GIB = 1 << 30
 CONFIGS = ("tmpfs", "kvfs-dram", "disk", "kvfs-nvme")

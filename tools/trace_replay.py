@@ -43,8 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TRACE = Path("/work/shared/data/traces/mooncake_synthetic_trace.jsonl")
-KV_DATA = Path("/work/shared/data/kv/smollm2_kv_fp16.npy")
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+TRACE = SHARED / "traces" / "mooncake_synthetic_trace.jsonl"
+KV_DATA = SHARED / "kv" / "smollm2_kv_fp16.npy"
 sys.path.insert(0, str(ROOT))
 
 import xxhash  # noqa: E402

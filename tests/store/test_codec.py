@@ -23,7 +23,7 @@ from kvfs.store.codec import (
     CodecPolicy,
 )
 
-DATA = Path("/work/shared/data/kv")
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "kv"
 KIB = 1024
 ALL_CODECS = sorted(CODEC_NAMES)
 COMPRESSING = [c for c in ALL_CODECS if c != CODEC_RAW]
