@@ -13,17 +13,15 @@ import fcntl
 import logging
 import mmap
 import os
-import struct
 
 import xxhash
 
+from kvfs.store.chunkstore import _LOC, LOST, SEALED
 from kvfs.store.codec import Codec, CodecError
 from kvfs.store.meta import FormatError, MetaStore, from_key2, from_u64
 from kvfs.store.nvme import NvmeLog, RecordError
 
 log = logging.getLogger(__name__)
-_LOC = struct.Struct("<qIQIIIBBQQ")
-LOST = 2
 
 
 def check(nvme_dir: str, dram_dir: str, out=print) -> int:
@@ -88,7 +86,7 @@ def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
                 except (RecordError, CodecError, OSError) as exc:
                     out(f"{where}: NVMe record in segment {seg} at {off}: {exc}")
                     errors += 1
-        if dram_slot >= 0 and arena is not None and flags & 1:
+        if dram_slot >= 0 and arena is not None and flags & SEALED:
             view = arena[dram_slot * cs:dram_slot * cs + raw_len]
             if xxhash.xxh3_64_intdigest(view) != csum:
                 out(f"{where}: DRAM copy in slot {dram_slot}: checksum mismatch")
