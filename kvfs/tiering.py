@@ -120,7 +120,7 @@ class Demoter:
     def over(self, mark: float, leaving: int = 0) -> bool:
         """Is DRAM above *mark*, not counting *leaving* bytes already being demoted?"""
         s = self.store
-        return (s.dram_used - leaving > mark * s.dram.capacity
+        return (s.dram_load - leaving > mark * s.dram.capacity
                 or s.dram.free_slots < (1 - mark) * s.dram.nslots)
 
     async def run(self) -> None:

@@ -49,6 +49,9 @@ STREAM_GC = 1
 _LOC = struct.Struct("<qIQIIIBBQQ")
 # Hashing this much inline (~30 us) is cheaper than a round trip to a worker thread.
 INLINE_HASH_BYTES = 512 << 10
+# NVMe reads keep a clean DRAM copy while DRAM holds less than this share (no eviction for
+# a promotion: the demoter keeps room for writes below the high watermark).
+PROMOTE_SHARE = 0.9
 
 
 class Loc(NamedTuple):
@@ -115,6 +118,7 @@ class ChunkStore:
         self.counters = Counters()
         # Accounting (bytes), kept exact by _account() on every location change.
         self.dram_used = 0  # pages of chunk data in DRAM
+        self.dram_filling = 0  # pages of slots taken by NVMe reads not committed yet
         self.dram_logical = 0
         self.dram_chunks = 0
         self.nvme_live = 0  # record bytes of live NVMe copies
@@ -344,7 +348,7 @@ class ChunkStore:
 
     async def _wait_dram(self, growth: int) -> None:
         """Wait until the arena has a free slot and room for *growth* more bytes."""
-        while self.dram.free_slots == 0 or self.dram_used + growth > self.dram.capacity:
+        while self.dram.free_slots == 0 or self.dram_load + growth > self.dram.capacity:
             if not self._drop_one_clean():
                 if self.dram_chunks == 0 and self.dram.free_slots:
                     return  # a single write bigger than DRAM: let it through
@@ -411,9 +415,11 @@ class ChunkStore:
                 return _slice(view, start, length)
             if (ino, c) in self._prefetching:
                 self.counters.prefetch_late += 1
-            data = await self.fetch(ino, c, loc, promote=True)
+            data = await self.fetch(ino, c, loc, stage=self.dram.capacity * PROMOTE_SHARE)
             if data is None:
                 continue  # the chunk changed while we read it: start over
+            if verified is not None:
+                verified.add((c, loc.seq))  # fetch verified it
             self.counters.chunks_from_nvme += 1
             self._record_latency(t0, self.counters.read_latency_nvme_us)
             return _slice(memoryview(data), start, length)
@@ -434,52 +440,52 @@ class ChunkStore:
         read (no such chunk, already in DRAM or in flight, or no room), True if the chunk
         was read and staged, False if it was read but could not be staged.
 
-        Promotion takes DRAM only below the promotion limit; *make_room(nbytes)* may free
-        some (synchronously, by dropping clean copies it chooses) when there is none. It is
-        asked before the read (no room: nothing is read) and again after it, since writes
-        may have filled DRAM while the read ran."""
+        Promotion takes DRAM only below the prefetch limit; *make_room(nbytes)* may free
+        some (synchronously, by dropping clean copies it chooses) when there is none. The
+        slot is taken before the read, so what prefetches hold counts against DRAM while
+        they run."""
         key = (ino, c)
         loc = self.get(ino, c)
         if (loc is None or loc.dram_slot >= 0 or loc.flags & LOST or key in self._prefetching
                 or key in self._fetching):
             return None
-        need = pages(loc.raw_len)
-        # Room for this chunk and for the prefetches already reading (each may take a chunk).
-        if not self._prefetch_room(need + len(self._prefetching) * self.cs, make_room):
+        if not self._prefetch_room(pages(loc.raw_len), make_room):
             self.kick_demoter()
             return None
         self.counters.prefetch_issued += 1
         self._prefetching.add(key)
         try:
-            data = await self.fetch(ino, c, loc, promote=False, limiter=self.prefetch_limiter)
+            data = await self.fetch(ino, c, loc, stage=self.prefetch_limit,
+                                    limiter=self.prefetch_limiter)
         except ChunkError as exc:
             log.warning("prefetch: %s", exc)
             return False
         finally:
             self._prefetching.discard(key)
         now = self.get(ino, c)
-        if data is None or now is None or now.seq != loc.seq or now.dram_slot >= 0:
-            return False  # changed meanwhile, or a write made it resident
-        if not self._prefetch_room(need, make_room):
-            self.counters.prefetch_wasted += 1  # read for nothing: DRAM filled meanwhile
-            return False
-        self._promote(ino, c, now, data, limit=self.prefetch_limit)
+        if data is None or now is None or now.seq != loc.seq or now.dram_slot < 0:
+            return False  # changed meanwhile, or no slot was free when the read began
         self.prefetched.add(key)
         if self.dram_used > self.high_water:
             self.kick_demoter()  # the demoter makes room in bulk, in eviction order
         return True
 
+    @property
+    def dram_load(self) -> int:
+        """DRAM bytes in use: chunks' pages plus slots that NVMe reads are filling."""
+        return self.dram_used + self.dram_filling
+
     def promotion_room(self, nbytes: int, limit: float | None = None) -> bool:
         """May a promotion take *nbytes* of DRAM (below *limit* bytes, default 90%) without
         evicting anything?"""
-        cap = self.dram.capacity * 0.9 if limit is None else limit
-        return self.dram.free_slots > 0 and self.dram_used + nbytes <= cap
+        cap = self.dram.capacity * PROMOTE_SHARE if limit is None else limit
+        return self.dram.free_slots > 0 and self.dram_load + nbytes <= cap
 
     @property
     def prefetch_limit(self) -> float:
         """Prefetches may fill half the room above the high watermark (writes keep the other
         half while the demoter, kicked, makes room in bulk and in eviction order)."""
-        return max(self.dram.capacity * 0.9, (self.high_water + self.dram.capacity) / 2)
+        return max(self.dram.capacity * PROMOTE_SHARE, (self.high_water + self.dram.capacity) / 2)
 
     def prefetch_room(self, nbytes: int) -> bool:
         return self.promotion_room(nbytes, self.prefetch_limit)
@@ -489,40 +495,68 @@ class ChunkStore:
             return True
         return make_room is not None and make_room(need) and self.prefetch_room(need)
 
-    async def fetch(self, ino: int, c: int, loc: Loc, *, promote: bool,
-                    limiter: trio.CapacityLimiter | None = None) -> bytes | None:
-        """Read an NVMe-only chunk (verified); with *promote*, keep a clean copy in DRAM if
-        there is room. Returns None if the chunk changed meanwhile."""
+    async def fetch(self, ino: int, c: int, loc: Loc, *, stage: float | None,
+                    limiter: trio.CapacityLimiter | None = None) -> bytes | memoryview | None:
+        """Read an NVMe-only chunk (verified). If a DRAM slot is free and DRAM holds less than
+        *stage* bytes, the record is decoded straight into the slot, which becomes the
+        chunk's clean DRAM copy (no copy of the bytes, no eviction); otherwise into a new
+        buffer. Returns the bytes (a slot view is valid until the next await), or None if
+        the chunk changed meanwhile."""
         key = (ino, c)
         pending = self._fetching.get(key)
         if pending is not None:
             await pending.wait()
             return None
         done = self._fetching[key] = trio.Event()
+        slot = -1
+        filling = pages(loc.raw_len)
         try:
+            target = None
+            if stage is not None and self.promotion_room(filling, stage):
+                slot = self.dram.alloc(loc.raw_len)
+                self.dram_filling += filling
+                target = self.dram.slot_view(slot, loc.raw_len)
             seg = self.nvme.pin(loc.seg)
             try:
                 data = await trio.to_thread.run_sync(self._read_record, ino, c, loc, seg,
-                                                     limiter=limiter or self.limiter)
+                                                     target, limiter=limiter or self.limiter)
             finally:
                 self.nvme.unpin(seg)
             now = self.get(ino, c)
             if now is None or now.seq != loc.seq:
                 return None
-            if promote and now.dram_slot < 0:
-                self._promote(ino, c, now, data)
+            if slot >= 0:
+                if now.dram_slot >= 0:
+                    return bytes(data)  # resident meanwhile: our slot is freed below
+                self.dram_filling -= filling
+                with self.meta.write() as txn:
+                    self._replace(txn, ino, c, now, now._replace(dram_slot=slot))
+                slot = -1  # the chunk owns it now
+                self.counters.promotions += 1
             return data
         finally:
+            if slot >= 0:
+                self.dram_filling -= filling
+                self.dram.free(slot, loc.raw_len)
             del self._fetching[key]
             done.set()
 
-    def _read_record(self, ino: int, c: int, loc: Loc, seg) -> bytes:
-        """Worker thread: read, check, decode and verify one record."""
-        try:
-            h, payload = self.nvme.read_record(seg, loc.off, loc.rec_len)
+    def _read_record(self, ino: int, c: int, loc: Loc, seg, target: memoryview | None
+                     ) -> bytes | memoryview:
+        """Worker thread: read, check, decode (into *target* if given) and verify one
+        record."""
+        def decode(h: RecordHeader, payload: memoryview) -> bytes | memoryview:
             if (h.ino, h.chunk, h.seq) != (ino, c, loc.seq):
                 raise RecordError(f"found inode {h.ino} chunk {h.chunk} seq {h.seq} instead")
-            data = self.codec.decode(h.codec, payload, h.raw_len)
+            if h.raw_len != loc.raw_len:
+                raise RecordError(f"record holds {h.raw_len} bytes, expected {loc.raw_len}")
+            if target is None:
+                return self.codec.decode(h.codec, payload, h.raw_len)
+            self.codec.decode_into(h.codec, payload, h.raw_len, target)
+            return target
+
+        try:
+            data = self.nvme.read_record(seg, loc.off, loc.rec_len, decode)
         except (RecordError, CodecError, OSError) as exc:
             self.counters.checksum_errors += 1
             raise ChunkError(f"inode {ino} chunk {c}: bad record in segment {loc.seg} at "
@@ -531,17 +565,6 @@ class ChunkStore:
             self.counters.checksum_errors += 1
             raise ChunkError(f"inode {ino} chunk {c}: checksum mismatch in segment {loc.seg}")
         return data
-
-    def _promote(self, ino: int, c: int, loc: Loc, data: bytes,
-                 limit: float | None = None) -> None:
-        """Keep a clean DRAM copy of an NVMe chunk, only if it fits without evicting."""
-        if not self.promotion_room(pages(len(data)), limit):
-            return
-        slot = self.dram.alloc()
-        self.dram.write(slot, 0, data)
-        with self.meta.write() as txn:
-            self._replace(txn, ino, c, loc, loc._replace(dram_slot=slot))
-        self.counters.promotions += 1
 
     # -- write -----------------------------------------------------------------------------
     async def write(self, ino: int, off: int, data: bytes,
@@ -585,27 +608,19 @@ class ChunkStore:
             self._check_capacity(pages(new_len) - before, ino)
             growth = pages(new_len) - pages(old_len)
             if (not in_dram and self.dram.free_slots == 0) or \
-                    self.dram_used + growth > self.dram.capacity:
+                    self.dram_load + growth > self.dram.capacity:
                 await self._wait_dram(growth)
                 continue  # the world may have changed while we waited
             self._apply_write(ino, c, loc, start, piece, new_len, on_commit)
             return
 
     async def _make_resident(self, ino: int, c: int, loc: Loc) -> None:
+        """Bring an NVMe-only chunk into DRAM (for a partial write); the caller re-checks."""
         await self._wait_dram(pages(loc.raw_len))
         now = self.get(ino, c)
         if now is None or now.seq != loc.seq or now.dram_slot >= 0:
             return
-        data = await self.fetch(ino, c, now, promote=False)
-        now = self.get(ino, c)
-        if data is None or now is None or now.seq != loc.seq or now.dram_slot >= 0:
-            return
-        if self.dram.free_slots == 0:
-            return
-        slot = self.dram.alloc()
-        self.dram.write(slot, 0, data)
-        with self.meta.write() as txn:
-            self._replace(txn, ino, c, now, now._replace(dram_slot=slot))
+        await self.fetch(ino, c, now, stage=float(self.dram.capacity))
 
     def _apply_write(self, ino: int, c: int, loc: Loc | None, start: int, piece: memoryview,
                      new_len: int, on_commit: Callable[[], None] | None) -> None:
@@ -633,7 +648,7 @@ class ChunkStore:
             self._replace(txn, ino, c, loc, new)
             if on_commit is not None:
                 on_commit()
-        if self.dram_used > self.high_water or self.dram.free_slots < self.low_slots:
+        if self.dram_load > self.high_water or self.dram.free_slots < self.low_slots:
             self.kick_demoter()
 
     # -- sealing, writeback, fsync -----------------------------------------------------------
@@ -856,7 +871,9 @@ class ChunkStore:
             "tiers": {
                 "dram": {"capacity_bytes": self.dram.capacity, "used_bytes": self.dram_used,
                          "logical_bytes": self.dram_logical, "chunks": self.dram_chunks,
-                         "dirty_bytes": self.unbacked, "free_slots": self.dram.free_slots},
+                         "dirty_bytes": self.unbacked, "free_slots": self.dram.free_slots,
+                         "resident_bytes": self.dram.resident,
+                         "warm_bytes": self.dram.warm_bytes},
                 "nvme": {"capacity_bytes": self.nvme.capacity, "used_bytes": self.nvme_live,
                          "logical_bytes": self.nvme_logical, "chunks": self.nvme_chunks,
                          "segments": len(self.nvme.segments),

@@ -62,6 +62,7 @@ import struct
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 import zstandard
 
@@ -509,6 +510,15 @@ class Codec:
         if len(out) != raw_len:  # cannot happen by construction; never hand back a wrong length
             raise CodecError(f"decoded {len(out)} bytes, expected {raw_len}")
         return out
+
+    def decode_into(self, codec: int, payload: bytes | memoryview, raw_len: int, out) -> None:
+        """Decode into *out*, a writable buffer of exactly raw_len bytes (e.g. a DRAM slot).
+        Same checks as decode(); the copy runs without the GIL."""
+        data = self.decode(codec, payload, raw_len)
+        dst = np.frombuffer(out, np.uint8)
+        if len(dst) != raw_len:
+            raise CodecError(f"output buffer is {len(dst)} bytes, expected {raw_len}")
+        np.copyto(dst, np.frombuffer(data, np.uint8))
 
     def _unzstd(self, frame: memoryview, size: int) -> bytes:
         return _unzstd_frame(self._local.dctx, frame, size)

@@ -24,7 +24,9 @@ import struct
 import threading
 import time
 import uuid as uuidlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import xxhash
 
@@ -40,6 +42,7 @@ SEGMENT_VERSION = 1
 HEADER = struct.Struct("<IHBBQQQIIQ12x")  # 60 bytes, then header_check u32
 HEADER_SIZE = 64
 SEGMENT_HEADER = struct.Struct("<IHBxI16sQ")
+T = TypeVar("T")
 
 
 class NvmeFull(Exception):
@@ -293,18 +296,29 @@ class NvmeLog:
         if seg.deleted and seg.readers == 0:
             os.close(seg.fd)
 
-    def read_record(self, seg: Segment, off: int, rec_len: int) -> tuple[RecordHeader, bytes]:
+    def read_record(self, seg: Segment, off: int, rec_len: int,
+                    consume: Callable[[RecordHeader, memoryview], T] | None = None
+                    ) -> T | tuple[RecordHeader, bytes]:
         """Read and parse one record of a pinned segment (worker thread); the caller checks
-        that it is the record it expected."""
+        that it is the record it expected. Returns *consume(header, payload)*, called while
+        the payload is still a view of the read buffer (no copy; the view must not outlive
+        the call), or without *consume* the header and a copy of the payload."""
         buf = self.buffers.get(rec_len)
         try:
-            n = os.preadv(seg.fd, [memoryview(buf)[:rec_len]], off)
-            if n < HEADER_SIZE:
-                raise RecordError(f"short read in segment {seg.seg_id} at {off}")
-            header = unpack_header(buf)
-            if HEADER_SIZE + header.stored_len > n:
-                raise RecordError(f"record in segment {seg.seg_id} at {off} is truncated")
-            return header, buf[HEADER_SIZE:HEADER_SIZE + header.stored_len]
+            with memoryview(buf) as mv:
+                n = os.preadv(seg.fd, [mv[:rec_len]], off)
+                if n < HEADER_SIZE:
+                    raise RecordError(f"short read in segment {seg.seg_id} at {off}")
+                header = unpack_header(mv)
+                if HEADER_SIZE + header.stored_len > n:
+                    raise RecordError(f"record in segment {seg.seg_id} at {off} is truncated")
+                payload = mv[HEADER_SIZE:HEADER_SIZE + header.stored_len]
+                try:
+                    if consume is None:
+                        return header, payload.tobytes()
+                    return consume(header, payload)
+                finally:
+                    payload.release()
         finally:
             self.buffers.put(buf)
 
