@@ -55,7 +55,7 @@ class Assembly:
         self.store.prefetch_limiter.total_tokens = s.prefetch_concurrency
         self.readahead = Readahead(
             self.store, depth=s.readahead_chunks, enabled=s.prefetch,
-            bandwidth=s.prefetch_bandwidth, size_of=self._size_of)
+            bandwidth=s.prefetch_bandwidth, size_of=self._size_of, meta=self.meta)
         extra.append(self.readahead.stats)
         self.control = Control(self.ns, self.store, s, self.readahead, extra)
         self.ops = Operations(self.ns, self.store, self.control, self.readahead,
@@ -89,6 +89,7 @@ class Assembly:
         for inode in self.ns.orphans():
             self.store.delete_file(inode.ino, inode.size)
             self.ns.forget_inode(inode)
+        self.readahead.load()
 
     def _size_of(self, ino: int) -> int | None:
         inode = self.ns.inodes.get(ino)
@@ -108,6 +109,7 @@ class Assembly:
             await pyfuse3.main(min_tasks=8, max_tasks=64)
             log.info("unmounting: writing dirty chunks back to NVMe")
             await self.store.writeback_all()
+            self.readahead.save()
             nursery.cancel_scope.cancel()
 
     async def _signals(self) -> None:

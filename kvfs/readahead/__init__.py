@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -50,6 +51,7 @@ from kvfs.readahead.predictors import (
     predict,
 )
 from kvfs.readahead.scheduler import Scheduler, Tuning
+from kvfs.store.meta import from_u64, u64
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,13 @@ IDLE_S = 1.0
 # Staged-but-unread chunks may fill at most this share of DRAM.
 BUDGET_SHARE = 0.25
 HINT = "hint"  # owner of hinted chunks
+# The learned order is saved to lmdb this often (and at unmount), so that a restarted daemon
+# predicts from its first read; losing the last interval to a crash costs only predictions.
+SAVE_INTERVAL_S = 1.0
+# lmdb table `successors`: ino u64 (big-endian key) -> successor u64, edge kind u8.
+_SUCC = struct.Struct("<QB")
+_KIND_CODES = {KIND_WRITE: 0, KIND_READ: 1}
+_CODE_KINDS = {v: k for k, v in _KIND_CODES.items()}
 
 
 class Reader:
@@ -86,8 +95,9 @@ class Readahead:
     def __init__(self, store, *, depth: int, enabled: bool = True,
                  size_of: Callable[[int], int | None] | None = None,
                  concurrency: int | None = None, bandwidth: int = 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, meta=None) -> None:
         self.store = store
+        self.meta = meta  # MetaStore to keep the learned order in (None: not kept)
         self.enabled = bool(enabled and depth > 0)
         self.size_of = size_of
         self.clock = clock
@@ -333,15 +343,56 @@ class Readahead:
             out["hints_ignored"] = self.hints_ignored
         return {"prefetch": out}
 
+    # -- the learned order across restarts ----------------------------------------------------
+    def load(self) -> int:
+        """Read the successor edges saved by earlier runs (files that no longer exist are
+        skipped); returns how many were loaded."""
+        if not self.enabled or self.meta is None:
+            return 0
+        stale, n = [], 0
+        for k, v in self.meta.scan("successors"):
+            a, (b, code) = from_u64(k), _SUCC.unpack(v)
+            if self.size_of is not None and (self.size_of(a) is None or self.size_of(b) is None):
+                stale.append(k)
+                continue
+            self.graph.link(a, b, _CODE_KINDS.get(code, KIND_WRITE))
+            n += 1
+        self.graph.take_dirty()
+        if stale:
+            with self.meta.write() as txn:
+                for k in stale:
+                    txn.delete(k, db=self.meta.db["successors"])
+        return n
+
+    def save(self) -> None:
+        """Write the edges that changed since the last save (one short transaction)."""
+        if self.meta is None:
+            return
+        dirty = self.graph.take_dirty()
+        if not dirty:
+            return
+        db = self.meta.db["successors"]
+        with self.meta.write() as txn:
+            for a, edge in dirty.items():
+                if edge is None:
+                    txn.delete(u64(a), db=db)
+                else:
+                    txn.put(u64(a), _SUCC.pack(edge[0], _KIND_CODES[edge[1]]), db=db)
+
     # -- scheduler task --------------------------------------------------------------------
     async def run(self) -> None:
         if not self.enabled:
             return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.sched.run)
+            saved = self.clock()
             while True:
                 await trio.sleep(IDLE_S / 2)
-                self.sweep(self.clock())
+                now = self.clock()
+                self.sweep(now)
+                if now - saved >= SAVE_INTERVAL_S:
+                    self.save()
+                    saved = now
 
 
 __all__ = ["Readahead", "Reader", "KIND_HINT", "KIND_READ", "KIND_WRITE"]

@@ -87,6 +87,8 @@ class SuccessorGraph:
         self.succ: OrderedDict[int, OrderedDict[int, list]] = OrderedDict()
         self.pred: dict[int, set[int]] = {}
         self.links = {KIND_WRITE: 0, KIND_READ: 0}
+        # Files whose most recent successor changed since the last save (None: it has none).
+        self.dirty: dict[int, tuple[int, str] | None] = {}
 
     def __len__(self) -> int:
         return len(self.succ)
@@ -116,8 +118,10 @@ class SuccessorGraph:
         while len(out) > self.fanout:
             old, _ = out.popitem(last=False)
             self._unpred(old, a)
+        self.dirty[a] = (b, out[b][0])
         while len(self.succ) > self.max_nodes:
             node, gone = self.succ.popitem(last=False)
+            self.dirty[node] = None
             for s in gone:
                 self._unpred(s, node)
 
@@ -149,12 +153,20 @@ class SuccessorGraph:
 
     def forget(self, ino: int) -> None:
         """A file is gone: drop it and every edge to or from it."""
+        if self.succ.get(ino) or ino in self.dirty:
+            self.dirty[ino] = None
         for b in self.succ.pop(ino, {}):
             self._unpred(b, ino)
         for a in self.pred.pop(ino, set()):
             out = self.succ.get(a)
             if out is not None:
                 out.pop(ino, None)
+                self.dirty[a] = self.next(a)
+
+    def take_dirty(self) -> dict[int, tuple[int, str] | None]:
+        """What changed since the last call: file -> its most recent successor, or None."""
+        dirty, self.dirty = self.dirty, {}
+        return dirty
 
 
 def whole_file(ino: int, first: int, nchunks: Callable[[int], int], limit: int

@@ -13,6 +13,7 @@ the daemon (invariant 3) at the cost of a few microseconds; `sync()` makes every
     chunks    ino:u64 + chunk:u64        -> LOC (the 10 fields of a chunk location, see store.loc)
     counters  name                       -> u64 (next inode number, next sequence number, ...)
     alloc     ino:u64                    -> u64 bytes reserved by fallocate(mode 0)
+    successors ino:u64                   -> succ:u64 + kind:u8 (readahead's learned order)
 
 Write transactions are only ever opened on the trio thread, so they never contend.
 """
@@ -36,7 +37,7 @@ FORMAT_VERSION = 1
 _U64 = struct.Struct(">Q")
 _KEY2 = struct.Struct(">QQ")
 TABLES = (b"super", b"inodes", b"dirents", b"symlinks", b"xattrs", b"chunks", b"counters",
-          b"alloc")
+          b"alloc", b"successors")
 
 
 class FormatError(Exception):

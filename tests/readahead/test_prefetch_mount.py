@@ -4,6 +4,7 @@ metrics in `kvfsctl status`."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import threading
@@ -104,6 +105,31 @@ def test_write_order_chain_prefetches_before_first_read(kv):
     st = kv.status()["prefetch"]
     assert st["used_chunks"] - before["used_chunks"] >= 5
     assert st["scheduler"]["by_predictor"]["write_order"]["used"] >= 5
+
+
+def test_learned_order_survives_a_restart(kv):
+    """The write order is saved in lmdb: after an unmount and the loss of DRAM (a reboot),
+    the first read of a request's first block already stages the blocks that follow it."""
+    names = [f"boot-{i:03d}" for i in range(10)]
+    lead_in(kv, "boot")
+    for i, n in enumerate(names):
+        write(kv, n, block("R", i))
+    kv.unmount()
+    shutil.rmtree(kv.dram_dir)  # everything is on NVMe now, nothing in DRAM
+    kv.start()
+    assert all(on_nvme_only(kv, n) for n in names)
+    assert in_thread(read, kv, names[0]) == block("R", 0)
+    assert wait_for(lambda: all(in_dram(kv, n) for n in names[1:6]))
+    st = kv.status()["prefetch"]
+    assert st["scheduler"]["by_predictor"]["write_order"]["issued"] >= 5
+    # A deleted file's edges are gone after the next restart: the chain breaks there.
+    (kv.path / names[5]).unlink()
+    kv.unmount()
+    shutil.rmtree(kv.dram_dir)
+    kv.start()
+    assert in_thread(read, kv, names[4]) == block("R", 4)
+    time.sleep(0.3)
+    assert kv.status()["prefetch"]["issued_chunks"] == 0
 
 
 def test_read_order_is_learned_per_reader(kv):
