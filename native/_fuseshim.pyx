@@ -1,13 +1,23 @@
 # cython: language_level=3
-"""fallocate(2) for pyfuse3 filesystems.
+"""What pyfuse3 lacks, added underneath it: fallocate(2), and big copies without the GIL.
 
-pyfuse3 3.5 registers no `fallocate` handler, so the kernel answers EOPNOTSUPP to every
-fallocate() on the mount. This module defines its own `fuse_session_new`; loaded with
-RTLD_GLOBAL before pyfuse3 (see kvfs/daemon.py), it is found first when pyfuse3 creates its
-session, copies pyfuse3's operation table, adds a `fallocate` handler that calls a Python
-function synchronously on the FUSE thread, and hands the table to libfuse's own
-`fuse_session_new`. If the interposition does not happen, `active()` stays False and kvfs
-behaves as before (fallocate answers EOPNOTSUPP; engines fall back to ftruncate).
+Loaded with RTLD_GLOBAL before pyfuse3 (see kvfs/daemon.py), this module's definitions of
+libfuse functions are found before libfuse's own when pyfuse3 calls them:
+
+- `fuse_session_new`: pyfuse3 3.5 registers no `fallocate` handler, so the kernel would
+  answer EOPNOTSUPP to every fallocate() on the mount. This copy of the call adds one to
+  pyfuse3's operation table (it calls a Python function synchronously on the FUSE thread)
+  and hands the table to libfuse's own `fuse_session_new`.
+- `fuse_reply_buf` and `fuse_buf_copy`: pyfuse3 replies to a read (copying up to 1 MiB into
+  the kernel) and copies a write's data out of libfuse's buffer while holding the GIL, so
+  the worker threads that decode and compress chunks stall behind every large request.
+  These wrappers release the GIL around large copies. That is safe: the memory being copied
+  is pinned by the caller (a buffer export or a fresh bytes object nobody else can see), no
+  Python object is touched, and the trio thread that could change a DRAM slot is the one
+  blocked in the copy.
+
+If the interposition does not happen, `active()` stays False and kvfs behaves as before
+(fallocate answers EOPNOTSUPP; engines fall back to ftruncate; copies keep the GIL).
 """
 
 cdef extern from *:
@@ -66,6 +76,43 @@ cdef extern from *:
             kvfs_shim_active = 1;
         }
         return real(args, &kvfs_ops, sizeof kvfs_ops, userdata);
+    }
+
+    /* Copies below this size are cheaper than giving the GIL away and taking it back. */
+    #define KVFS_NOGIL_COPY (64 * 1024)
+
+    typedef int (*kvfs_reply_buf_t)(fuse_req_t, const char *, size_t);
+    typedef ssize_t (*kvfs_buf_copy_t)(struct fuse_bufvec *, struct fuse_bufvec *,
+                                       enum fuse_buf_copy_flags);
+
+    static void *kvfs_next(const char *name) {
+        void *fn = dlvsym(RTLD_NEXT, name, "FUSE_3.0");
+        return fn != NULL ? fn : dlsym(RTLD_NEXT, name);
+    }
+
+    int fuse_reply_buf(fuse_req_t req, const char *buf, size_t size) {
+        static kvfs_reply_buf_t real = NULL;
+        if (real == NULL)
+            real = (kvfs_reply_buf_t)kvfs_next("fuse_reply_buf");
+        if (size < KVFS_NOGIL_COPY || !Py_IsInitialized() || !PyGILState_Check())
+            return real(req, buf, size);
+        PyThreadState *ts = PyEval_SaveThread();
+        int r = real(req, buf, size);
+        PyEval_RestoreThread(ts);
+        return r;
+    }
+
+    ssize_t fuse_buf_copy(struct fuse_bufvec *dst, struct fuse_bufvec *src,
+                          enum fuse_buf_copy_flags flags) {
+        static kvfs_buf_copy_t real = NULL;
+        if (real == NULL)
+            real = (kvfs_buf_copy_t)kvfs_next("fuse_buf_copy");
+        if (fuse_buf_size(src) < KVFS_NOGIL_COPY || !Py_IsInitialized() || !PyGILState_Check())
+            return real(dst, src, flags);
+        PyThreadState *ts = PyEval_SaveThread();
+        ssize_t r = real(dst, src, flags);
+        PyEval_RestoreThread(ts);
+        return r;
     }
 
     static void kvfs_set_handler(PyObject *fn) {
