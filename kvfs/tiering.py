@@ -39,14 +39,23 @@ class DramPolicy:
         # the first to fall back (reads nothing predicts keep their place).
         self.keep: Callable[[Key], bool] = _no
         self.cheap: Callable[[Key], bool] = _no
+        # unpredicted(key): a demand read that no prediction saw coming is bringing this chunk
+        # in from NVMe. It enters protected like a hit: it was reused (written, then read),
+        # and prefetching will not have it in time for the next such read either.
+        self.unpredicted: Callable[[Key], bool] = _no
 
     def __len__(self) -> int:
         return len(self.probation) + len(self.protected)
 
     def inserted(self, key: Key) -> None:
-        if key not in self.protected:
-            self.probation[key] = None
-            self.probation.move_to_end(key)
+        if key in self.protected:
+            return
+        if self.unpredicted(key):
+            self.probation.pop(key, None)
+            self._protect(key)
+            return
+        self.probation[key] = None
+        self.probation.move_to_end(key)
 
     def hit(self, key: Key) -> None:
         if key in self.protected:
@@ -55,9 +64,12 @@ class DramPolicy:
         if key not in self.probation:
             return
         del self.probation[key]
+        self._protect(key, cold=self.cheap(key))  # cheap: protected, but the first to go
+
+    def _protect(self, key: Key, cold: bool = False) -> None:
         self.protected[key] = None
-        if self.cheap(key):
-            self.protected.move_to_end(key, last=False)  # protected, but the first to go
+        if cold:
+            self.protected.move_to_end(key, last=False)
         while len(self.protected) > self.protected_limit:
             old, _ = self.protected.popitem(last=False)
             self.probation[old] = None

@@ -12,7 +12,7 @@ Predictors, all feeding the same windows and scheduler:
 - the learned successor graph: the order in which each caller read files;
 - explicit hints (`user.kvfs.prefetch`, `kvfsctl prefetch`, `kvfs.client.prefetch`).
 
-The DRAM policy asks two questions (`DramPolicy.keep` and `DramPolicy.cheap`):
+The DRAM policy asks three questions (`DramPolicy.keep`, `.cheap` and `.unpredicted`):
 - keep(key): is the chunk predicted to be read soon? Then victims pass over it while anything
   else is left, so new writes cannot flush staged chunks before they are read. A window lets
   go of chunks the reader skipped, and of all of them when it reads something unpredicted
@@ -24,6 +24,9 @@ The DRAM policy asks two questions (`DramPolicy.keep` and `DramPolicy.cheap`):
   protected is what prediction cannot bring in time: the first chunks of a run (a caller's
   burst of accesses), read or written, since nothing precedes them. Files written at the
   start of a run are protected when closed, for the same reason.
+- unpredicted(key): is a read that nothing predicted fetching this chunk from NVMe? Then the
+  copy it brings into DRAM enters protected (as a hit would), not probation: the next read
+  of it will be just as unpredictable (on the Mooncake trace: the first block of a request).
 
 With prediction off (`prefetch=off` or `readahead_chunks=0`) none of this is attached: the
 policy is the plain SLRU and no chunk is ever prefetched (hints are accepted and ignored).
@@ -112,12 +115,17 @@ class Readahead:
                                budget_chunks=budget, clock=clock)
         self.readers: OrderedDict[int, Reader] = OrderedDict()
         self._cheap: OrderedDict[Key, None] = OrderedDict()
+        # Chunks just read (or opened) with nothing predicting them: if the read has to fetch
+        # one from NVMe, the policy protects the copy it brings in (DramPolicy.unpredicted).
+        self._unpredicted: OrderedDict[Key, None] = OrderedDict()
         self._heads: set[int] = set()  # files written at the start of a run, still open
         self.cheap_hits = 0
+        self.unpredicted_fetches = 0
         self.hints_ignored = 0
         if self.enabled:
             store.policy.keep = self.sched.wanted
             store.policy.cheap = self._take_cheap
+            store.policy.unpredicted = self._take_unpredicted
 
     # -- events from fs (trio thread, must not block) ---------------------------------------
     def opened(self, ino: int, flags: int, size: int, pid: int) -> None:
@@ -190,6 +198,13 @@ class Readahead:
             self.sched.want((ino, c), HINT, self.clock(), KIND_HINT)
 
     # -- the policy's questions --------------------------------------------------------------
+    def _take_unpredicted(self, key: Key) -> bool:
+        if key in self._unpredicted:
+            del self._unpredicted[key]
+            self.unpredicted_fetches += 1
+            return True
+        return False
+
     def _take_cheap(self, key: Key) -> bool:
         if key in self._cheap:
             del self._cheap[key]
@@ -236,6 +251,8 @@ class Readahead:
                 self._release_held(r)
             return
         self._release_held(r)
+        if r.cur is not None:
+            self._unpredicted.pop(r.cur, None)  # its read is over: it was a hit, or fetched
         ino = key[0]
         if r.cur is not None and now - r.last_t <= IDLE_S:
             self.tuning.observe_gap(now - r.last_t)
@@ -260,6 +277,9 @@ class Readahead:
             owned = True
         else:
             self._drop_window(r)  # the reader left the predicted path
+            self._unpredicted[key] = None
+            while len(self._unpredicted) > 4096:
+                self._unpredicted.popitem(last=False)
         r.held, r.held_owned = key, owned
         if not opening:
             self._release_held(r)
@@ -338,6 +358,7 @@ class Readahead:
                 "graph_edges": self.graph.edges(),
                 "graph_links": dict(self.graph.links),
                 "hint_repeats": self.hints.repeats, "cheap_hits": self.cheap_hits,
+                "unpredicted_fetches": self.unpredicted_fetches,
                 "scheduler": self.sched.stats()})
         else:
             out["hints_ignored"] = self.hints_ignored

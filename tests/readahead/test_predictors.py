@@ -276,6 +276,30 @@ def test_cheap_only_when_predicted_early_enough():
     assert not store.policy.cheap((3, 0))  # the answer is used once
 
 
+def test_unpredicted_fetches_enter_protected():
+    """A read nothing predicted (a request's first block) that brings its chunk in from NVMe
+    protects the copy; chunks brought in by prediction (or by a read that is over) do not."""
+    sizes = {i: CS for i in range(1, 20)}
+    ra, store, clock = make(sizes, depth=8)
+    for ino in range(1, 20):
+        ra.created(ino, 1, pid=1)
+        clock.tick()
+    clock.tick(5)
+    ra.opened(1, os.O_RDONLY, CS, pid=2)  # unpredicted: the head of a run
+    ra.read(1, 0, CS, pid=2)
+    store.policy.inserted((1, 0))  # its fetch promotes it
+    assert (1, 0) in store.policy.protected
+    store.policy.inserted((2, 0))  # a prefetch of the predicted next block
+    assert (2, 0) in store.policy.probation
+    ra.opened(7, os.O_RDONLY, CS, pid=3)  # another head, read from DRAM (a hit)...
+    ra.read(7, 0, CS, pid=3)
+    ra.opened(8, os.O_RDONLY, CS, pid=3)  # ...its reader moved on
+    ra.read(8, 0, CS, pid=3)
+    store.policy.inserted((7, 0))  # a later insertion of 7 is no unpredicted fetch
+    assert (7, 0) in store.policy.probation
+    assert ra.stats()["prefetch"]["unpredicted_fetches"] == 1
+
+
 def test_write_heads_are_protected_on_close():
     sizes = {i: CS for i in range(1, 10)}
     ra, store, clock = make(sizes)
