@@ -53,7 +53,9 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                         "dram_size=, nvme_dir=, nvme_size=, chunk_size=, segment_size=, "
                         "cache_mode, nocompress, dram_high_watermark=, dram_low_watermark=, "
                         "io_threads=, readahead_chunks=, prefetch= (0 turns prediction off), "
-                        "prefetch_bandwidth=, streams= (1-5 NVMe placement streams)")
+                        "prefetch_bandwidth=, streams= (1-5 NVMe placement streams), "
+                        "nodram_prefault (take DRAM-tier RAM as used instead of reserving "
+                        "it at mount)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -52,6 +52,8 @@ INLINE_HASH_BYTES = 512 << 10
 # NVMe reads keep a clean DRAM copy while DRAM holds less than this share (no eviction for
 # a promotion: the demoter keeps room for writes below the high watermark).
 PROMOTE_SHARE = 0.9
+# Bytes of the arena populated per worker call at mount: short enough not to hold a thread.
+PREFAULT_BATCH = 16 << 20
 
 
 class Loc(NamedTuple):
@@ -106,13 +108,13 @@ class ChunkStore:
 
     def __init__(self, meta: MetaStore, fs_uuid: str, *, chunk_size: int, dram_dir: str,
                  dram_size: int, nvme_dir: str, nvme_size: int, segment_size: int,
-                 codec: Codec, io_threads: int, policy) -> None:
+                 codec: Codec, io_threads: int, policy, dram_prefault: bool = True) -> None:
         self.meta = meta
         self.cs = chunk_size
         self.codec = codec
         self.policy = policy
         self.index = ChunkIndex(1 << 16)
-        self.dram = DramArena(dram_dir, fs_uuid, chunk_size, dram_size)
+        self.dram = DramArena(dram_dir, fs_uuid, chunk_size, dram_size, prefault=dram_prefault)
         self.nvme = NvmeLog(nvme_dir, fs_uuid, nvme_size, segment_size)
         self.limiter = trio.CapacityLimiter(io_threads)
         self.counters = Counters()
@@ -369,6 +371,23 @@ class ChunkStore:
                 return True
             break  # the oldest is dirty: leave it to the demoter, it keeps eviction order
         return False
+
+    async def prefault_dram(self) -> None:
+        """Populate the arena's free slots up to its capacity, a batch at a time in a worker
+        thread (background task; see DramArena)."""
+        while self.dram.prefault:
+            slots = self.dram.to_prefault(PREFAULT_BATCH)
+            if not slots:
+                return
+            ok = False
+            try:
+                await trio.to_thread.run_sync(self.dram.fill, slots, limiter=self.limiter)
+                ok = True
+            except OSError as exc:
+                log.warning("DRAM tier: cannot reserve its RAM (%s); pages come as used", exc)
+                return
+            finally:
+                self.dram.prefaulted(slots, ok)
 
     # -- read ------------------------------------------------------------------------------
     async def read(self, ino: int, off: int, size: int, file_size: int,
@@ -628,11 +647,16 @@ class ChunkStore:
         seq = self._next_seq()
         if loc is None or loc.dram_slot < 0:
             # Fresh slot: bytes first, then the commit that makes them part of the file.
-            slot = self.dram.alloc()
+            slot = self.dram.alloc(new_len)
             if start:
                 self.dram.write(slot, 0, bytes(start))  # a reused slot holds stale bytes
             self.dram.write(slot, start, piece)
-            new = Loc(slot, 0, 0, 0, new_len, 0, CODEC_RAW, 0, 0, seq)
+            if start:
+                new = Loc(slot, 0, 0, 0, new_len, 0, CODEC_RAW, 0, 0, seq)
+            else:
+                # One write made the whole chunk (an engine writing a block): seal it now,
+                # while its bytes are in cache, instead of hashing them again at close.
+                new = Loc(slot, 0, 0, 0, new_len, 0, CODEC_RAW, SEALED, _hash(piece), seq)
         else:
             if loc.flags & SEALED:
                 # Unseal in lmdb before the bytes change (crash safety, see module doc).

@@ -56,6 +56,32 @@ def test_small_file_costs_its_pages(kv):
     assert st["used_bytes"] == 4096 and st["logical_bytes"] == 4096
 
 
+def _arena_bytes(m) -> int:
+    return os.stat(m.dram_dir / "arena").st_blocks * 512
+
+
+def test_dram_tier_reserves_its_ram_and_never_exceeds_it(mount_factory):
+    """By default the arena populates its free slots up to the tier's capacity (writes then
+    copy into populated pages); it never holds more, and a clean unmount gives back the RAM
+    of the slots no chunk uses. With nodram_prefault, RAM follows the data."""
+    m = mount_factory(dram_size="8M")
+    cap = m.status()["tiers"]["dram"]["capacity_bytes"]
+    _wait(lambda: m.status()["tiers"]["dram"]["resident_bytes"] >= cap - CHUNK)
+    files = _fill(m, "p", 8, 100_000)  # small chunks in populated 64 KiB slots
+    dram = m.status()["tiers"]["dram"]
+    assert dram["resident_bytes"] <= cap and _arena_bytes(m) <= cap
+    m.unmount()
+    held = _arena_bytes(m)
+    assert held <= dram["chunks"] * CHUNK  # only the chunks' slots stay, for the next mount
+    m.start(dram_prefault="off")
+    time.sleep(0.3)
+    assert m.status()["tiers"]["dram"]["resident_bytes"] <= held
+    _check(m, files)
+    big = _fill(m, "q", 4, 1 << 20)  # through a tier of 8 MiB: demotion frees slots
+    assert _arena_bytes(m) <= cap
+    _check(m, big)
+
+
 def test_scan_does_not_flush_reused_blocks(kv):
     hot = _fill(kv, "hot", 8, 128 << 10)  # 1 MiB of reused blocks
     for _ in range(2):
