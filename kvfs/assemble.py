@@ -96,7 +96,7 @@ class Assembly:
         return inode.size if inode is not None and inode.is_reg else None
 
     def _dtype_hint(self, ino: int) -> str | None:
-        value = self.ns.getxattr(ino, b"user.kvfs.dtype")
+        value = self.ns.inherited_xattr(ino, b"user.kvfs.dtype")
         return value.decode(errors="replace") if value else None
 
     async def run(self) -> None:

@@ -146,6 +146,31 @@ class Namespace:
     def names_of(self, ino: int) -> set[tuple[int, bytes]]:
         return self._names.get(ino, set())
 
+    def ancestors(self, ino: int) -> tuple[int, ...]:
+        """The directory holding *ino* (its first name, for hard links) and that directory's
+        ancestors, nearest first, root last."""
+        names = self.names_of(ino)
+        if not names:
+            return ()
+        d = min(names)[0]
+        out = [d]
+        while len(out) < 64:
+            up = self.parent.get(d, d)
+            if up == d:
+                break
+            out.append(up)
+            d = up
+        return tuple(out)
+
+    def inherited_xattr(self, ino: int, name: bytes) -> bytes | None:
+        """*name* on the file, else on its nearest ancestor directory that has it (how
+        operators set hints for a whole directory of an engine's files)."""
+        for i in (ino, *self.ancestors(ino)):
+            value = self.getxattr(i, name)
+            if value is not None:
+                return value
+        return None
+
     def entries(self, ino: int) -> list[tuple[bytes, int]]:
         d = self.dirs.get(ino)
         if d is None:

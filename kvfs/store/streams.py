@@ -244,19 +244,7 @@ class LifetimeClassifier:
 
     def _chain(self, ino: int) -> tuple[int, ...]:
         """The file's directory and its ancestors, nearest first, root last."""
-        names = self.ns.names_of(ino)
-        if not names:
-            return ()
-        d = min(names)[0]
-        out = [d]
-        parent = self.ns.parent
-        while len(out) < 64:
-            up = parent.get(d, d)
-            if up == d:
-                break
-            out.append(up)
-            d = up
-        return tuple(out)
+        return self.ns.ancestors(ino)
 
     def _hint(self, ino: int, chain: tuple[int, ...]) -> str | None:
         for i in (ino, *chain):

@@ -368,3 +368,23 @@ def test_incompressible_chunk_in_compressible_file_survives_reboot(kv):
     kv.reboot()
     kv.start()
     assert (kv.path / "mixed").read_bytes() == data
+
+
+def test_dtype_hint_on_a_directory_applies_to_its_files(kv):
+    """`user.kvfs.dtype` set once on a directory (an operator's hint for an engine's files)
+    reaches every file below it; files elsewhere are detected as usual."""
+    kv_bytes = Path(__file__).resolve().parents[3] / "shared/data/kv/smollm2_kv_bf16.npy"
+    data = kv_bytes.read_bytes()[1 << 20:(1 << 20) + (256 << 10)]  # real bf16 KV, compressible
+    (kv.path / "raw" / "deep").mkdir(parents=True)
+    os.setxattr(kv.path / "raw", "user.kvfs.dtype", b"raw")
+    (kv.path / "auto").mkdir()
+    for d in ("raw/deep", "auto"):
+        for i in range(8):
+            (kv.path / d / f"b{i}").write_bytes(data)
+    _fill(kv, "filler", 40, 256 << 10)  # push them to NVMe
+    codecs = {d: {c["codec"] for i in range(8) for c in kv.where(f"{d}/b{i}") if c["segment"]}
+              for d in ("raw/deep", "auto")}
+    assert codecs["raw/deep"] == {0}, codecs
+    assert codecs["auto"] and 0 not in codecs["auto"], codecs
+    for d in ("raw/deep", "auto"):
+        assert all((kv.path / d / f"b{i}").read_bytes() == data for i in range(8))
