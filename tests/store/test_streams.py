@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from kvfs.namespace import Namespace
 from kvfs.store.streams import (
     LIFETIME_XATTR,
     MIN_SAMPLES,
@@ -81,6 +82,8 @@ class FakeNs:
 
     def getxattr(self, ino: int, name: bytes):
         return self.xattrs.get((ino, name))
+
+    ancestors = Namespace.ancestors  # walks names_of and parent, as above
 
 
 class Clock:
