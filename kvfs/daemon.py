@@ -162,6 +162,7 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         return 1
     if shim is not None:
         shim.set_fallocate_handler(asm.ops.fallocate_sync)
+        shim.set_write_handlers(asm.ops.write_plan, asm.ops.write_done)
     options = set(pyfuse3.default_options)
     options |= {"fsname=kvfs", "subtype=kvfs"}
     if s.allow_other:

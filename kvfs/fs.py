@@ -21,6 +21,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyfuse3
@@ -290,6 +291,17 @@ class Operations(pyfuse3.Operations):
         self.readahead.read(h.ino, off, size, h.pid)
         return await self.store.read(h.ino, off, size, node.size, h.verified)
 
+    def _grown(self, ino: int, end: int) -> Callable[[], None]:
+        """The inode update of a write ending at *end*; runs inside the write's commit."""
+        def grow_inode() -> None:
+            node = self.ns.get(ino)
+            if end > node.size:
+                node.size = end
+            node.mtime_ns = node.ctime_ns = time.time_ns()
+            self.ns.save(node)
+
+        return grow_inode
+
     @_errors
     async def write(self, fh, off, buf):
         h = self.handles[fh]
@@ -297,15 +309,48 @@ class Operations(pyfuse3.Operations):
         end = off + len(buf)
         if end > MAX_FILE_SIZE:
             raise pyfuse3.FUSEError(errno.EFBIG)
-        def grow_inode() -> None:  # runs in the store's commit of the last piece
-            node = self.ns.get(h.ino)
-            if end > node.size:
-                node.size = end
-            node.mtime_ns = node.ctime_ns = time.time_ns()
-            self.ns.save(node)
-
+        grow_inode = self._grown(h.ino, end)
         await self._space_retry(lambda: self.store.write(h.ino, off, buf, grow_inode), len(buf))
         return len(buf)
+
+    # -- writes copied straight into DRAM (called synchronously by kvfs._fuseshim) -----------
+    # pyfuse3 copies a write's data into a bytes object before write() sees it, and write()
+    # copies it again into the DRAM slot. For the common write (fresh chunks, room in DRAM)
+    # the shim asks write_plan where the bytes go, copies (splices) them from the request
+    # straight into the arena file with the GIL released, and calls write_done; nothing else
+    # runs on the trio thread in between. Everything else takes the ordinary path above.
+    def write_plan(self, fh: int, off: int, size: int):
+        """None (use write()), an errno, or (token, arena fd, [(offset, length), ...])."""
+        try:
+            h = self.handles.get(fh)
+            if h is None:
+                return None
+            if h.direct and (off % DIRECT_IO_ALIGN or size % DIRECT_IO_ALIGN):
+                return errno.EINVAL
+            if off + size > MAX_FILE_SIZE:
+                return errno.EFBIG
+            plan = self.store.plan_write(h.ino, off, size)
+            if plan is None:
+                return None
+            return (h, plan, off + size), self.store.dram.fd, self.store.targets(plan)
+        except Exception:
+            log.exception("write_plan failed")
+            return None
+
+    def write_done(self, token, err: int) -> int:
+        """The shim copied the planned bytes (err 0) or failed with errno *err*; returns the
+        errno to answer (0: the write succeeded)."""
+        h, plan, end = token
+        try:
+            if err:
+                self.store.abort_write(plan)
+                log.error("write: copying into DRAM failed: %s", os.strerror(err))
+                return err
+            self.store.finish_write(plan, self._grown(h.ino, end))
+            return 0
+        except Exception:
+            log.exception("write_done failed")
+            return errno.EIO
 
     # No flush(): pyfuse3 answers ENOSYS, after which the kernel stops sending FLUSH on every
     # close() (kvfs has nothing to do there: data is in the store when write() returns). That

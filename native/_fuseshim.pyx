@@ -8,6 +8,11 @@ libfuse functions are found before libfuse's own when pyfuse3 calls them:
   answer EOPNOTSUPP to every fallocate() on the mount. This copy of the call adds one to
   pyfuse3's operation table (it calls a Python function synchronously on the FUSE thread)
   and hands the table to libfuse's own `fuse_session_new`.
+- pyfuse3's `write_buf` handler is wrapped: a write whose chunks all get fresh content (an
+  engine writing a block) is copied by libfuse straight from the request (spliced, when the
+  request came through a pipe) into the DRAM arena file, instead of into a bytes object
+  that kvfs then copies again (kvfs.fs.Operations.write_plan / write_done). Every other
+  write goes to pyfuse3's handler unchanged.
 - `fuse_reply_buf` and `fuse_buf_copy`: pyfuse3 replies to a read (copying up to 1 MiB into
   the kernel) and copies a write's data out of libfuse's buffer while holding the GIL, so
   the worker threads that decode and compress chunks stall behind every large request.
@@ -55,6 +60,90 @@ cdef extern from *:
         fuse_reply_err(req, err);
     }
 
+    /* Writes into DRAM: see Operations.write_plan. The plan is (token, fd, ((pos, len), ...));
+       None means "pyfuse3's handler", an int is an errno to answer. */
+    static PyObject *kvfs_write_plan_fn = NULL;
+    static PyObject *kvfs_write_done_fn = NULL;
+    static void (*kvfs_pyfuse3_write_buf)(fuse_req_t, fuse_ino_t, struct fuse_bufvec *, off_t,
+                                          struct fuse_file_info *) = NULL;
+
+    static int kvfs_copy_pieces(struct fuse_bufvec *src, int fd, PyObject *pieces) {
+        Py_ssize_t n = PyTuple_Size(pieces);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *p = PyTuple_GET_ITEM(pieces, i);
+            long long pos = PyLong_AsLongLong(PyTuple_GET_ITEM(p, 0));
+            long long len = PyLong_AsLongLong(PyTuple_GET_ITEM(p, 1));
+            if (PyErr_Occurred()) { PyErr_Clear(); return EIO; }
+            struct fuse_bufvec dst = FUSE_BUFVEC_INIT((size_t)len);
+            dst.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK;
+            dst.buf[0].fd = fd;
+            dst.buf[0].pos = pos;
+            /* Reads on from where the previous piece stopped (fuse_buf_copy advances src);
+               releases the GIL for large pieces (fuse_buf_copy below). */
+            ssize_t done = fuse_buf_copy(&dst, src, 0);
+            if (done < 0) return (int)-done;
+            if (done != len) return EIO;
+        }
+        return 0;
+    }
+
+    static void kvfs_write_buf(fuse_req_t req, fuse_ino_t ino, struct fuse_bufvec *bufv,
+                               off_t off, struct fuse_file_info *fi) {
+        if (kvfs_write_plan_fn == NULL) {
+            kvfs_pyfuse3_write_buf(req, ino, bufv, off, fi);
+            return;
+        }
+        PyGILState_STATE gil = PyGILState_Ensure();
+        PyObject *plan = PyObject_CallFunction(kvfs_write_plan_fn, "KLn",
+            (unsigned long long)fi->fh, (long long)off, (Py_ssize_t)fuse_buf_size(bufv));
+        if (plan == NULL) {
+            PyErr_WriteUnraisable(kvfs_write_plan_fn);
+            PyGILState_Release(gil);
+            fuse_reply_err(req, EIO);
+            return;
+        }
+        if (plan == Py_None) {
+            Py_DECREF(plan);
+            kvfs_pyfuse3_write_buf(req, ino, bufv, off, fi);
+            PyGILState_Release(gil);
+            return;
+        }
+        int err = 0;
+        if (PyLong_Check(plan)) {
+            err = (int)PyLong_AsLong(plan);
+            Py_DECREF(plan);
+            PyGILState_Release(gil);
+            fuse_reply_err(req, err > 0 ? err : EIO);
+            return;
+        }
+        if (!PyTuple_Check(plan) || PyTuple_Size(plan) != 3 ||
+                !PyTuple_Check(PyTuple_GET_ITEM(plan, 2))) {
+            Py_DECREF(plan);
+            PyGILState_Release(gil);
+            fuse_reply_err(req, EIO);
+            return;
+        }
+        int fd = (int)PyLong_AsLong(PyTuple_GET_ITEM(plan, 1));
+        err = PyErr_Occurred() ? (PyErr_Clear(), EIO)
+                               : kvfs_copy_pieces(bufv, fd, PyTuple_GET_ITEM(plan, 2));
+        PyObject *r = PyObject_CallFunction(kvfs_write_done_fn, "Oi",
+                                            PyTuple_GET_ITEM(plan, 0), err);
+        Py_DECREF(plan);
+        if (r == NULL) {
+            PyErr_WriteUnraisable(kvfs_write_done_fn);
+            err = EIO;
+        } else {
+            long v = PyLong_AsLong(r);
+            err = (v == -1 && PyErr_Occurred()) ? (PyErr_Clear(), EIO) : (int)v;
+            Py_DECREF(r);
+        }
+        PyGILState_Release(gil);
+        if (err)
+            fuse_reply_err(req, err);
+        else
+            fuse_reply_write(req, fuse_buf_size(bufv));
+    }
+
     typedef struct fuse_session *(*kvfs_session_new_t)(
         struct fuse_args *, const struct fuse_lowlevel_ops *, size_t, void *);
 
@@ -74,6 +163,10 @@ cdef extern from *:
         if (kvfs_ops.fallocate == NULL) {
             kvfs_ops.fallocate = kvfs_fallocate;
             kvfs_shim_active = 1;
+        }
+        if (kvfs_ops.write_buf != NULL) {
+            kvfs_pyfuse3_write_buf = kvfs_ops.write_buf;
+            kvfs_ops.write_buf = kvfs_write_buf;
         }
         return real(args, &kvfs_ops, sizeof kvfs_ops, userdata);
     }
@@ -115,6 +208,15 @@ cdef extern from *:
         return r;
     }
 
+    static void kvfs_set_write_handlers(PyObject *plan, PyObject *done) {
+        Py_XINCREF(plan);
+        Py_XINCREF(done);
+        Py_XDECREF(kvfs_write_plan_fn);
+        Py_XDECREF(kvfs_write_done_fn);
+        kvfs_write_plan_fn = plan;
+        kvfs_write_done_fn = done;
+    }
+
     static void kvfs_set_handler(PyObject *fn) {
         Py_XINCREF(fn);
         Py_XDECREF(kvfs_fallocate_handler);
@@ -123,12 +225,20 @@ cdef extern from *:
     """
     int kvfs_shim_active
     void kvfs_set_handler(object fn)
+    void kvfs_set_write_handlers(object plan, object done)
 
 
 def set_fallocate_handler(handler) -> None:
     """handler(ino, mode, offset, length, fh) -> errno (0 for success); runs on the FUSE
     thread with the GIL held and must not block."""
     kvfs_set_handler(handler)
+
+
+def set_write_handlers(plan, done) -> None:
+    """plan(fh, off, size) -> None | errno | (token, fd, ((pos, len), ...)) and
+    done(token, errno) -> errno: see kvfs.fs.Operations.write_plan. Both run on the FUSE
+    thread with the GIL held; nothing else runs on it between them."""
+    kvfs_set_write_handlers(plan, done)
 
 
 def active() -> bool:

@@ -69,6 +69,15 @@ class Loc(NamedTuple):
     seq: int
 
 
+@dataclass
+class WritePlan:
+    """A write whose bytes are copied straight into fresh DRAM slots (plan_write)."""
+
+    ino: int
+    # (chunk, slot, start, stop, location before the write); in place if it had a DRAM slot
+    pieces: list[tuple[int, int, int, int, Loc | None]]
+
+
 class NoSpace(Exception):
     """Storing more bytes would exceed the capacity of the filesystem."""
 
@@ -101,6 +110,7 @@ class Counters:
     prefetch_used: int = 0  # a prefetched chunk was read while in DRAM
     prefetch_late: int = 0  # a demand read found its chunk's prefetch still in flight
     prefetch_wasted: int = 0  # a prefetched chunk left DRAM unread
+    direct_writes: int = 0  # writes copied by the shim straight into DRAM (plan_write)
 
 
 class ChunkStore:
@@ -633,6 +643,105 @@ class ChunkStore:
             self._apply_write(ino, c, loc, start, piece, new_len, on_commit)
             return
 
+    # -- writes straight into DRAM slots (kvfs._fuseshim copies the request's data) --------
+    def plan_write(self, ino: int, off: int, size: int) -> WritePlan | None:
+        """Prepare a write of *size* bytes at *off* into DRAM slots and return where in the
+        arena file its bytes go, or None when the write needs the ordinary path (a chunk on
+        NVMe only that it does not fully cover, a gap to zero-fill, no room in DRAM without
+        waiting, the filesystem full). Each chunk either gets a fresh slot (the write starts
+        it) or is written in place (it is in DRAM and the write starts within or right after
+        its bytes: the next request of a stream). The caller copies the data and then calls
+        finish_write or abort_write, with no await in between."""
+        cs = self.cs
+        pieces: list[tuple[int, int, int, Loc | None]] = []  # chunk, start, stop, location
+        growth = dram_growth = fresh = 0
+        pos, end = off, off + size
+        while pos < end:
+            c, start = divmod(pos, cs)
+            stop = min(cs, end - c * cs)
+            loc = self.get(ino, c)
+            if loc is not None and loc.flags & LOST:
+                return None
+            if loc is None or loc.dram_slot < 0:
+                if start or (loc is not None and stop < loc.raw_len):
+                    return None  # zero-fill, or a read-modify-write of an NVMe chunk
+                fresh += 1
+                growth += pages(stop) - (loc.rec_len if loc is not None else 0)
+                dram_growth += pages(stop)
+            else:
+                if start > loc.raw_len:
+                    return None  # a gap to zero-fill
+                new_len = max(loc.raw_len, stop)
+                before = (0 if loc.seg else pages(loc.raw_len)) + (loc.rec_len if loc.seg else 0)
+                growth += pages(new_len) - before
+                dram_growth += pages(new_len) - pages(loc.raw_len)
+            pieces.append((c, start, stop, loc))
+            pos = c * cs + stop
+        try:
+            self._check_capacity(growth, ino)
+        except NoSpace:
+            return None  # the ordinary path raises it (or, in cache mode, evicts)
+        if self.dram.free_slots < fresh or self.dram_load + dram_growth > self.dram.capacity:
+            return None
+        planned = []
+        unseal = [(c, loc) for c, _, _, loc in pieces
+                  if loc is not None and loc.dram_slot >= 0 and loc.flags & SEALED]
+        if unseal:  # in lmdb before the bytes change (crash safety, see the module doc)
+            with self.meta.write() as txn:
+                for c, loc in unseal:
+                    self._replace(txn, ino, c, loc, loc._replace(flags=0))
+        for c, start, stop, _ in pieces:
+            loc = self.get(ino, c)
+            if loc is None or loc.dram_slot < 0:
+                planned.append((c, self.dram.alloc(stop), start, stop, loc))
+            else:
+                planned.append((c, loc.dram_slot, start, stop, loc))
+        return WritePlan(ino, planned)
+
+    def targets(self, plan: WritePlan) -> tuple[tuple[int, int], ...]:
+        """(offset in the arena file, length) of each piece of a planned write, in order."""
+        return tuple((slot * self.cs + start, stop - start)
+                     for _, slot, start, stop, _ in plan.pieces)
+
+    def finish_write(self, plan: WritePlan, on_commit: Callable[[], None] | None) -> None:
+        """The planned bytes are in their slots: commit them (one transaction). A chunk the
+        write made whole is sealed now, while its bytes are in cache; others at close."""
+        if any(self.get(plan.ino, c) != loc for c, _, _, _, loc in plan.pieces):
+            self.abort_write(plan)  # cannot happen: nothing runs between plan and finish
+            raise RuntimeError(f"inode {plan.ino}: chunks changed during a write")
+        with self.meta.write() as txn:
+            for c, slot, start, stop, loc in plan.pieces:
+                self._replace(txn, plan.ino, c, loc, self._written(slot, start, stop, loc))
+            if on_commit is not None:
+                on_commit()
+        self.counters.direct_writes += 1
+        if self.dram_load > self.high_water or self.dram.free_slots < self.low_slots:
+            self.kick_demoter()
+
+    def _written(self, slot: int, start: int, stop: int, loc: Loc | None) -> Loc:
+        in_place = loc is not None and loc.dram_slot >= 0
+        new_len = max(loc.raw_len, stop) if in_place else stop
+        if start == 0 and stop >= new_len:
+            return Loc(slot, 0, 0, 0, new_len, 0, CODEC_RAW, SEALED,
+                       _hash(self.dram.slot_view(slot, new_len)), self._next_seq())
+        return Loc(slot, 0, 0, 0, new_len, 0, CODEC_RAW, 0, 0, self._next_seq())
+
+    def abort_write(self, plan: WritePlan) -> None:
+        """The copy failed part way: fresh slots go back; chunks written in place may hold
+        some new bytes, so they take a new seq (unsealed, same length)."""
+        in_place = [c for c, _, _, _, loc in plan.pieces
+                    if loc is not None and loc.dram_slot >= 0]
+        for _, slot, _, stop, loc in plan.pieces:
+            if loc is None or loc.dram_slot < 0:
+                self.dram.free(slot, stop)
+        if in_place:
+            with self.meta.write() as txn:
+                for c in in_place:
+                    now = self.get(plan.ino, c)
+                    if now is not None:
+                        self._replace(txn, plan.ino, c, now,
+                                      now._replace(flags=0, seq=self._next_seq()))
+
     async def _make_resident(self, ino: int, c: int, loc: Loc) -> None:
         """Bring an NVMe-only chunk into DRAM (for a partial write); the caller re-checks."""
         await self._wait_dram(pages(loc.raw_len))
@@ -912,6 +1021,7 @@ class ChunkStore:
                       "nvme_latency_us_log2_histogram": list(k.read_latency_nvme_us)},
             "moves": {"promotions": k.promotions, "demotions": k.demotions,
                       "writebacks": k.writebacks},
+            "writes": {"direct_to_dram": k.direct_writes},
             "prefetch": {"issued_chunks": k.prefetch_issued, "used_chunks": k.prefetch_used,
                          "late_chunks": k.prefetch_late, "wasted_chunks": k.prefetch_wasted,
                          "resident_unread_chunks": len(self.prefetched)},
