@@ -704,8 +704,7 @@ class ChunkStore:
                      for _, slot, start, stop, _ in plan.pieces)
 
     def finish_write(self, plan: WritePlan, on_commit: Callable[[], None] | None) -> None:
-        """The planned bytes are in their slots: commit them (one transaction). A chunk the
-        write made whole is sealed now, while its bytes are in cache; others at close."""
+        """The planned bytes are in their slots: commit them (one transaction)."""
         if any(self.get(plan.ino, c) != loc for c, _, _, _, loc in plan.pieces):
             self.abort_write(plan)  # cannot happen: nothing runs between plan and finish
             raise RuntimeError(f"inode {plan.ino}: chunks changed during a write")
@@ -720,11 +719,17 @@ class ChunkStore:
 
     def _written(self, slot: int, start: int, stop: int, loc: Loc | None) -> Loc:
         in_place = loc is not None and loc.dram_slot >= 0
-        new_len = max(loc.raw_len, stop) if in_place else stop
-        if start == 0 and stop >= new_len:
-            return Loc(slot, 0, 0, 0, new_len, 0, CODEC_RAW, SEALED,
-                       _hash(self.dram.slot_view(slot, new_len)), self._next_seq())
-        return Loc(slot, 0, 0, 0, new_len, 0, CODEC_RAW, 0, 0, self._next_seq())
+        return self._dram_loc(slot, max(loc.raw_len, stop) if in_place else stop)
+
+    def _dram_loc(self, slot: int, length: int) -> Loc:
+        """The location of a chunk just written in DRAM (a new seq). A chunk that is now
+        whole cannot grow any more: seal it at once, while its bytes are in cache (the
+        usual case for an engine's blocks); a partial one is sealed at close, so that the
+        next write of a stream does not have to unseal it first."""
+        if length == self.cs:
+            return Loc(slot, 0, 0, 0, length, 0, CODEC_RAW, SEALED,
+                       _hash(self.dram.slot_view(slot, length)), self._next_seq())
+        return Loc(slot, 0, 0, 0, length, 0, CODEC_RAW, 0, 0, self._next_seq())
 
     def abort_write(self, plan: WritePlan) -> None:
         """The copy failed part way: fresh slots go back; chunks written in place may hold
@@ -753,19 +758,13 @@ class ChunkStore:
     def _apply_write(self, ino: int, c: int, loc: Loc | None, start: int, piece: memoryview,
                      new_len: int, on_commit: Callable[[], None] | None) -> None:
         """Synchronous part of a write: no await from here to the commit."""
-        seq = self._next_seq()
         if loc is None or loc.dram_slot < 0:
             # Fresh slot: bytes first, then the commit that makes them part of the file.
             slot = self.dram.alloc(new_len)
             if start:
                 self.dram.write(slot, 0, bytes(start))  # a reused slot holds stale bytes
             self.dram.write(slot, start, piece)
-            if start:
-                new = Loc(slot, 0, 0, 0, new_len, 0, CODEC_RAW, 0, 0, seq)
-            else:
-                # One write made the whole chunk (an engine writing a block): seal it now,
-                # while its bytes are in cache, instead of hashing them again at close.
-                new = Loc(slot, 0, 0, 0, new_len, 0, CODEC_RAW, SEALED, _hash(piece), seq)
+            new = self._dram_loc(slot, new_len)
         else:
             if loc.flags & SEALED:
                 # Unseal in lmdb before the bytes change (crash safety, see module doc).
@@ -776,7 +775,7 @@ class ChunkStore:
             if start > loc.raw_len:
                 self.dram.write(loc.dram_slot, loc.raw_len, bytes(start - loc.raw_len))
             self.dram.write(loc.dram_slot, start, piece)
-            new = Loc(loc.dram_slot, 0, 0, 0, new_len, 0, CODEC_RAW, 0, 0, seq)
+            new = self._dram_loc(loc.dram_slot, new_len)
         with self.meta.write() as txn:
             self._replace(txn, ino, c, loc, new)
             if on_commit is not None:
