@@ -224,9 +224,25 @@ def test_corrupt_dram_chunk_is_eio(kv):
         assert f.read() == data[CHUNK:]
 
 
-def test_corrupt_nvme_record_is_eio(kv):
-    files = _fill(kv, "f", 30, 128 << 10)
-    seg = kv.where(_nvme_only(kv, files)[0])[0]["segment"]
+def _kv_blocks(n: int, size: int) -> list[bytes]:
+    """n distinct blocks of real bf16 KV bytes (compressible, unlike os.urandom)."""
+    raw = (Path(__file__).resolve().parents[3] / "shared/data/kv/smollm2_kv_bf16.npy").read_bytes()
+    return [raw[4096 + i * size:4096 + (i + 1) * size] for i in range(n)]
+
+
+@pytest.mark.parametrize("content", ["random", "kv"])
+def test_corrupt_nvme_record_is_eio(kv, content):
+    """Raw and compressed records alike: a damaged payload is EIO, never wrong bytes."""
+    if content == "random":
+        files = _fill(kv, "f", 30, 128 << 10)
+    else:
+        files = {f"f{i}": b for i, b in enumerate(_kv_blocks(30, 128 << 10))}
+        for name, data in files.items():
+            (kv.path / name).write_bytes(data)
+    victim = _nvme_only(kv, files)[0]
+    seg = kv.where(victim)[0]["segment"]
+    codecs = {c["codec"] for c in kv.where(victim)}
+    assert (0 in codecs) == (content == "random"), codecs
     kv.unmount()
     import shutil
 
