@@ -185,9 +185,16 @@ class DramArena:
 
     def free(self, slot: int, length: int) -> None:
         """Give the slot back: warm (still populated) while the RAM budget allows, else
-        punched so its RAM returns."""
+        punched so its RAM returns. Over the budget, only the excess is punched: the rest of
+        the slot stays warm for the next chunk (a small chunk in a prefaulted slot would
+        otherwise make every later free punch a whole slot, and every alloc fault it in)."""
         self._used_slots.discard(slot)
         held = self.populated[slot]
+        over = self.resident - self.capacity
+        if held and over > 0:
+            keep = max(0, held - pages(over))
+            self.punch(slot, keep, self.chunk_size - keep)
+            held = self.populated[slot]
         if held and self.warm_bytes + held <= self.warm_max and self.resident <= self.capacity:
             self._warm.append(slot)
             self.warm_bytes += held
