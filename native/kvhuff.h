@@ -1,0 +1,620 @@
+/* kvhuff.h: a fast canonical Huffman coder for byte planes (header-only, used by native/_huff.pyx).
+ *
+ * Built for the sign/exponent plane of fp16/bf16 KV-cache tensors: a skewed, slowly drifting byte
+ * distribution with no useful repeats, where an order-0 entropy coder is all that pays. A plane is
+ * cut into segments (64 KiB by default) with their own code, so the statistics follow the data.
+ *
+ * Plane section (all integers little-endian):
+ *     u32 * nseg            byte length of each segment, nseg = ceil(n / seg)
+ *     segments back to back, each starting with a kind byte:
+ *       0 RAW    the segment's bytes as is
+ *       1 CONST  one byte: every byte of the segment has this value
+ *       2 HUF    u8 maxlen (1..KVH_MAX_LOG), u8 first, u8 last: the symbols that may occur;
+ *                ceil((last - first + 1) / 2) bytes of 4-bit code lengths of symbols first..last
+ *                (low nibble first, 0 = absent; they must form a complete prefix code);
+ *                u32 * 3 byte lengths of streams 0..2; streams 0..3 (stream 3 takes the rest).
+ *                Stream j codes quarter j of the segment (q = m / 4 symbols each, the last quarter
+ *                also the m % 4 left over), so the decoder runs 4 independent dependency chains.
+ *                Codes are canonical (shorter codes first, ties by symbol value) and written
+ *                least significant bit first, each code's first bit lowest; a stream is padded
+ *                with zero bits to a whole byte and must be consumed exactly.
+ *
+ * The decoder never reads or writes outside the buffers it is given, whatever the input: every
+ * length is checked, the code must be complete (so every table entry is a valid symbol), and
+ * the fast loop only runs while 8 bytes of input are left. Errors are negative return codes.
+ */
+#ifndef KVHUFF_H
+#define KVHUFF_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define KVH_MAX_LOG 12 /* longest code the decoder accepts (4-bit lengths could say 15) */
+#define KVH_DEFAULT_LOG 11
+#define KVH_SLACK 16 /* the encoder may store up to this many bytes past its output */
+
+#define KVH_ERR_CORRUPT (-1)
+#define KVH_ERR_SPACE (-2)
+#define KVH_ERR_ARG (-3)
+
+enum { KVH_SEG_RAW = 0, KVH_SEG_CONST = 1, KVH_SEG_HUF = 2 };
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#define KVH_LE64(x) __builtin_bswap64(x)
+#define KVH_LE32(x) __builtin_bswap32(x)
+#else
+#define KVH_LE64(x) (x)
+#define KVH_LE32(x) (x)
+#endif
+
+static inline uint64_t kvh_load64(const uint8_t *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return KVH_LE64(v);
+}
+
+static inline void kvh_store64(uint8_t *p, uint64_t v)
+{
+    v = KVH_LE64(v);
+    memcpy(p, &v, 8);
+}
+
+static inline uint32_t kvh_load32(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return KVH_LE32(v);
+}
+
+static inline void kvh_store32(uint8_t *p, uint32_t v)
+{
+    v = KVH_LE32(v);
+    memcpy(p, &v, 4);
+}
+
+/* Worst-case section size for a plane of n bytes in segments of seg bytes (every segment raw),
+ * plus the slack the encoder may scribble past its end. */
+static inline size_t kvh_plane_bound(size_t n, size_t seg)
+{
+    size_t nseg = seg ? (n + seg - 1) / seg : 0;
+    return 5 * nseg + n + KVH_SLACK;
+}
+
+/* ------------------------------------------------------------------ code construction */
+
+/* Sort 64-bit keys ascending (n <= 256): bottom-up merge sort, no recursion. */
+static inline void kvh_sort64(uint64_t *a, int n)
+{
+    uint64_t tmp[256];
+    uint64_t *src = a, *dst = tmp;
+    int width, i;
+    for (width = 1; width < n; width *= 2) {
+        for (i = 0; i < n; i += 2 * width) {
+            int l = i, m = i + width < n ? i + width : n, r = i + 2 * width < n ? i + 2 * width : n;
+            int p = l, q = m, k = l;
+            while (p < m && q < r) dst[k++] = src[p] <= src[q] ? src[p++] : src[q++];
+            while (p < m) dst[k++] = src[p++];
+            while (q < r) dst[k++] = src[q++];
+        }
+        { uint64_t *t = src; src = dst; dst = t; }
+    }
+    if (src != a) memcpy(a, src, (size_t)n * sizeof *a);
+}
+
+/* Code lengths (<= maxbits) of a Huffman code for freq; needs >= 2 used symbols and
+ * 2^maxbits >= their number. Returns the longest length. */
+static inline int kvh_build_lengths(const uint32_t *freq, int maxbits, uint8_t *len)
+{
+    uint64_t key[256], weight[512];
+    uint16_t parent[512];
+    uint8_t depth[512];
+    uint32_t cnt[512];
+    int n = 0, i, li, ii, next, maxd = 0, d, k;
+
+    memset(len, 0, 256);
+    for (i = 0; i < 256; i++)
+        if (freq[i]) key[n++] = ((uint64_t)freq[i] << 8) | (uint64_t)i;
+    if (n < 2) return 0; /* callers code 1 symbol as CONST */
+    kvh_sort64(key, n);
+    for (i = 0; i < n; i++) weight[i] = key[i] >> 8;
+    /* two-queue Huffman: leaves in ascending order, internal nodes are created in ascending order */
+    li = 0;
+    ii = n;
+    for (next = n; next < 2 * n - 1; next++) {
+        int pick[2], t;
+        for (t = 0; t < 2; t++) {
+            if (li < n && (ii >= next || weight[li] <= weight[ii])) pick[t] = li++;
+            else pick[t] = ii++;
+        }
+        weight[next] = weight[pick[0]] + weight[pick[1]];
+        parent[pick[0]] = parent[pick[1]] = (uint16_t)next;
+    }
+    depth[2 * n - 2] = 0;
+    memset(cnt, 0, sizeof cnt);
+    for (i = 2 * n - 3; i >= 0; i--) {
+        depth[i] = (uint8_t)(depth[parent[i]] + 1);
+        if (i < n) {
+            cnt[depth[i]]++;
+            if (depth[i] > maxd) maxd = depth[i];
+        }
+    }
+    /* limit to maxbits keeping the Kraft sum at exactly 1 (the JPEG Annex K.3 adjustment) */
+    for (d = maxd; d > maxbits; d--) {
+        while (cnt[d] > 0) {
+            int j = d - 2;
+            while (cnt[j] == 0) j--;
+            cnt[d] -= 2;
+            cnt[d - 1] += 1;
+            cnt[j + 1] += 2;
+            cnt[j] -= 1;
+        }
+    }
+    if (maxd > maxbits) maxd = maxbits;
+    /* most frequent symbols (end of the sorted leaves) get the shortest codes */
+    k = n - 1;
+    for (d = 1; d <= maxd; d++) {
+        uint32_t c;
+        for (c = 0; c < cnt[d]; c++) len[key[k--] & 0xff] = (uint8_t)d;
+    }
+    while (maxd > 1 && cnt[maxd] == 0) maxd--;
+    return maxd;
+}
+
+static inline uint32_t kvh_reverse(uint32_t code, int bits)
+{
+    uint32_t r = 0;
+    int i;
+    for (i = 0; i < bits; i++) {
+        r = (r << 1) | (code & 1);
+        code >>= 1;
+    }
+    return r;
+}
+
+/* Canonical codes from lengths: ct[s] = bit-reversed code | length << 16 (0 if absent). */
+static inline void kvh_canonical(const uint8_t *len, uint32_t *ct)
+{
+    uint32_t count[KVH_MAX_LOG + 2] = {0}, next[KVH_MAX_LOG + 2];
+    uint32_t code = 0;
+    int s, l;
+    for (s = 0; s < 256; s++) count[len[s]]++;
+    count[0] = 0;
+    for (l = 1; l <= KVH_MAX_LOG; l++) {
+        code = (code + count[l - 1]) << 1;
+        next[l] = code;
+    }
+    for (s = 0; s < 256; s++) {
+        l = len[s];
+        ct[s] = l ? (kvh_reverse(next[l]++, l) | ((uint32_t)l << 16)) : 0;
+    }
+}
+
+/* ------------------------------------------------------------------ encoder */
+
+/* Counts of each quarter of a segment of m bytes (quarter 3 also gets the m % 4 left over).
+ * Two tables per quarter (even/odd positions): runs of one symbol, common in exponent planes,
+ * would otherwise serialise on one counter. */
+static inline void kvh_hist4(const uint8_t *src, size_t m, uint32_t h[4][256])
+{
+    uint32_t g[4][256];
+    size_t q = m / 4, i;
+    int s;
+    const uint8_t *a = src, *b = src + q, *c = src + 2 * q, *d = src + 3 * q;
+    memset(h, 0, 4 * 256 * sizeof(uint32_t));
+    memset(g, 0, sizeof g);
+    for (i = 0; i + 2 <= q; i += 2) {
+        h[0][a[i]]++;
+        h[1][b[i]]++;
+        h[2][c[i]]++;
+        h[3][d[i]]++;
+        g[0][a[i + 1]]++;
+        g[1][b[i + 1]]++;
+        g[2][c[i + 1]]++;
+        g[3][d[i + 1]]++;
+    }
+    for (; i < q; i++) {
+        h[0][a[i]]++;
+        h[1][b[i]]++;
+        h[2][c[i]]++;
+        h[3][d[i]]++;
+    }
+    for (i = 4 * q; i < m; i++) h[3][src[i]]++;
+    for (s = 0; s < 256; s++) {
+        h[0][s] += g[0][s];
+        h[1][s] += g[1][s];
+        h[2][s] += g[2][s];
+        h[3][s] += g[3][s];
+    }
+}
+
+typedef struct {
+    uint64_t acc;
+    unsigned nb;
+    uint8_t *out;
+} kvh_bits;
+
+#define KVH_PUT(st, e) \
+    do { \
+        (st).acc |= (uint64_t)((e) & 0xffffu) << (st).nb; \
+        (st).nb += (e) >> 16; \
+    } while (0)
+
+#define KVH_FLUSH(st) \
+    do { \
+        kvh_store64((st).out, (st).acc); \
+        (st).out += (st).nb >> 3; \
+        (st).acc >>= (st).nb & ~7u; \
+        (st).nb &= 7u; \
+    } while (0)
+
+/* Finish a stream byte by byte: never writes at or past end. Returns 0, or -1 if the stream
+ * would not end exactly at end (cannot happen when the sizes were computed from the counts). */
+static inline int kvh_finish(kvh_bits *st, const uint8_t *src, size_t i, size_t m,
+                             const uint32_t *ct, uint8_t *end)
+{
+    for (; i < m; i++) {
+        uint32_t e = ct[src[i]];
+        KVH_PUT(*st, e);
+        while (st->nb >= 8) {
+            if (st->out >= end) return -1;
+            *st->out++ = (uint8_t)st->acc;
+            st->acc >>= 8;
+            st->nb -= 8;
+        }
+    }
+    if (st->nb) {
+        if (st->out >= end) return -1;
+        *st->out++ = (uint8_t)st->acc;
+    }
+    return st->out == end ? 0 : -1;
+}
+
+/* Encode one segment of m bytes into dst (room for cap bytes). A Huffman segment is only written
+ * when it is at most m - min_gain bytes, else the segment is stored raw (1 + m bytes).
+ * Returns the segment's length, or KVH_ERR_SPACE. */
+static inline ptrdiff_t kvh_encode_seg(const uint8_t *src, size_t m, uint8_t *dst, size_t cap,
+                                       int maxbits, size_t min_gain)
+{
+    uint32_t h[4][256], freq[256], ct[256];
+    uint8_t len[256];
+    uint64_t qbits[4] = {0, 0, 0, 0};
+    size_t qbytes[4], hdr, total, q = m / 4, qn[4];
+    int first = -1, last = -1, used = 0, s, j, maxlen;
+    uint8_t *p;
+    kvh_bits st[4];
+    uint8_t *end[4];
+    const uint8_t *in[4];
+
+    if (m == 0) return 0;
+    kvh_hist4(src, m, h);
+    for (s = 0; s < 256; s++) {
+        freq[s] = h[0][s] + h[1][s] + h[2][s] + h[3][s];
+        if (freq[s]) {
+            if (first < 0) first = s;
+            last = s;
+            used++;
+        }
+    }
+    if (used == 1) {
+        if (cap < 2) return KVH_ERR_SPACE;
+        dst[0] = KVH_SEG_CONST;
+        dst[1] = (uint8_t)first;
+        return 2;
+    }
+    maxlen = kvh_build_lengths(freq, maxbits, len);
+    kvh_canonical(len, ct);
+    total = 0;
+    for (j = 0; j < 4; j++) {
+        for (s = first; s <= last; s++) qbits[j] += (uint64_t)h[j][s] * len[s];
+        qbytes[j] = (size_t)((qbits[j] + 7) / 8);
+        total += qbytes[j];
+    }
+    hdr = 4 + (size_t)(last - first + 2) / 2 + 12;
+    if (hdr + total + min_gain > m) {
+        if (cap < m + 1) return KVH_ERR_SPACE;
+        dst[0] = KVH_SEG_RAW;
+        memcpy(dst + 1, src, m);
+        return (ptrdiff_t)(m + 1);
+    }
+    if (cap < hdr + total + KVH_SLACK) return KVH_ERR_SPACE;
+    p = dst;
+    *p++ = KVH_SEG_HUF;
+    *p++ = (uint8_t)maxlen;
+    *p++ = (uint8_t)first;
+    *p++ = (uint8_t)last;
+    for (s = first; s <= last; s += 2) *p++ = (uint8_t)(len[s] | (s + 1 <= last ? len[s + 1] << 4 : 0));
+    for (j = 0; j < 3; j++) {
+        kvh_store32(p, (uint32_t)qbytes[j]);
+        p += 4;
+    }
+    qn[0] = qn[1] = qn[2] = q;
+    qn[3] = m - 3 * q;
+    for (j = 0; j < 4; j++) {
+        st[j].acc = 0;
+        st[j].nb = 0;
+        st[j].out = p;
+        p += qbytes[j];
+        end[j] = p;
+        in[j] = src + j * q;
+    }
+    {
+        /* 4 streams interleaved (independent chains), state in locals so that the byte stores
+         * cannot alias it; each flush stores 8 bytes, so a stream leaves the fast loop before it
+         * could store into the next one */
+        uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+        unsigned n0 = 0, n1 = 0, n2 = 0, n3 = 0;
+        uint8_t *p0 = st[0].out, *p1 = st[1].out, *p2 = st[2].out, *p3 = st[3].out;
+        const uint8_t *x0 = in[0], *x1 = in[1], *x2 = in[2], *x3 = in[3];
+        size_t i = 0;
+#define KVH_ENC4(acc, nb, out, x) \
+        do { \
+            uint32_t e0_ = ct[(x)[i]], e1_ = ct[(x)[i + 1]], e2_ = ct[(x)[i + 2]], e3_ = ct[(x)[i + 3]]; \
+            acc |= (uint64_t)(e0_ & 0xffffu) << nb; nb += e0_ >> 16; \
+            acc |= (uint64_t)(e1_ & 0xffffu) << nb; nb += e1_ >> 16; \
+            acc |= (uint64_t)(e2_ & 0xffffu) << nb; nb += e2_ >> 16; \
+            acc |= (uint64_t)(e3_ & 0xffffu) << nb; nb += e3_ >> 16; \
+            kvh_store64(out, acc); out += nb >> 3; acc >>= nb & ~7u; nb &= 7u; \
+        } while (0)
+        while (i + 4 <= q && p0 + 8 <= end[0] && p1 + 8 <= end[1] && p2 + 8 <= end[2] &&
+               p3 + 8 <= end[3]) {
+            KVH_ENC4(a0, n0, p0, x0);
+            KVH_ENC4(a1, n1, p1, x1);
+            KVH_ENC4(a2, n2, p2, x2);
+            KVH_ENC4(a3, n3, p3, x3);
+            i += 4;
+        }
+#undef KVH_ENC4
+        st[0].acc = a0; st[0].nb = n0; st[0].out = p0;
+        st[1].acc = a1; st[1].nb = n1; st[1].out = p1;
+        st[2].acc = a2; st[2].nb = n2; st[2].out = p2;
+        st[3].acc = a3; st[3].nb = n3; st[3].out = p3;
+        for (j = 0; j < 4; j++)
+            if (kvh_finish(&st[j], in[j], i, qn[j], ct, end[j]) < 0) return KVH_ERR_SPACE;
+    }
+    return (ptrdiff_t)(p - dst);
+}
+
+/* Encode a plane of n bytes in segments of seg bytes into dst (cap >= kvh_plane_bound(n, seg)).
+ * Returns the section length (without slack) or a negative error. */
+static inline ptrdiff_t kvh_encode_plane(const uint8_t *src, size_t n, size_t seg, uint8_t *dst,
+                                         size_t cap, int maxbits, size_t min_gain)
+{
+    size_t nseg, i, pos;
+    if (seg == 0 || maxbits < 8 || maxbits > KVH_MAX_LOG) return KVH_ERR_ARG;
+    if (cap < kvh_plane_bound(n, seg)) return KVH_ERR_SPACE;
+    nseg = (n + seg - 1) / seg;
+    pos = 4 * nseg;
+    for (i = 0; i < nseg; i++) {
+        size_t a = i * seg, m = n - a < seg ? n - a : seg;
+        ptrdiff_t r = kvh_encode_seg(src + a, m, dst + pos, cap - pos, maxbits, min_gain);
+        if (r < 0) return r;
+        kvh_store32(dst + 4 * i, (uint32_t)r);
+        pos += (size_t)r;
+    }
+    return (ptrdiff_t)pos;
+}
+
+/* ------------------------------------------------------------------ decoder */
+
+/* Decode tables indexed by the next maxlen bits of a stream: symbol and code length. Two byte
+ * tables rather than one packed entry: no unpacking instructions in the hot loop. */
+typedef struct {
+    uint8_t sym[1 << KVH_MAX_LOG];
+    uint8_t len[1 << KVH_MAX_LOG];
+    int log;
+} kvh_dtable;
+
+/* Parse a HUF segment's code description at p (avail bytes). Returns bytes used or -1. */
+static inline ptrdiff_t kvh_read_table(const uint8_t *p, size_t avail, kvh_dtable *dt)
+{
+    uint8_t len[256];
+    uint32_t count[KVH_MAX_LOG + 1] = {0}, next[KVH_MAX_LOG + 1];
+    uint32_t code = 0, kraft = 0;
+    int maxlen, first, last, s, l, used = 0;
+    size_t nb;
+
+    if (avail < 3) return -1;
+    maxlen = p[0];
+    first = p[1];
+    last = p[2];
+    if (maxlen < 1 || maxlen > KVH_MAX_LOG || last < first) return -1;
+    nb = (size_t)(last - first + 2) / 2;
+    if (avail < 3 + nb) return -1;
+    memset(len, 0, sizeof len);
+    for (s = first; s <= last; s++) {
+        uint8_t b = p[3 + (s - first) / 2];
+        l = ((s - first) & 1) ? b >> 4 : b & 15;
+        if (l > maxlen) return -1;
+        len[s] = (uint8_t)l;
+        if (l) {
+            count[l]++;
+            used++;
+            kraft += 1u << (maxlen - l);
+        }
+    }
+    /* complete code: every maxlen-bit index is the prefix of exactly one code */
+    if (used < 2 || kraft != (1u << maxlen)) return -1;
+    for (l = 1; l <= maxlen; l++) {
+        code = (code + count[l - 1]) << 1;
+        next[l] = code;
+    }
+    /* count[0] is 0 above, so lengths-1 codes start at 0 */
+    for (s = first; s <= last; s++) {
+        uint32_t r, step, k;
+        l = len[s];
+        if (!l) continue;
+        r = kvh_reverse(next[l]++, l);
+        step = 1u << l;
+        for (k = r; k < (1u << maxlen); k += step) {
+            dt->sym[k] = (uint8_t)s;
+            dt->len[k] = (uint8_t)l;
+        }
+    }
+    dt->log = maxlen;
+    return (ptrdiff_t)(3 + nb);
+}
+
+/* Peek 64 bits at bit position bp of a stream of sl bytes, zero past its end. */
+static inline uint64_t kvh_peek_safe(const uint8_t *s, size_t sl, size_t bp)
+{
+    size_t byte = bp >> 3;
+    uint8_t tmp[8] = {0};
+    if (byte + 8 <= sl) return kvh_load64(s + byte) >> (bp & 7);
+    if (byte < sl) memcpy(tmp, s + byte, sl - byte);
+    return kvh_load64(tmp) >> (bp & 7);
+}
+
+/* Decode m symbols of one stream from position *bp (careful path, one symbol at a time). */
+static inline int kvh_decode_tail(const kvh_dtable *dt, const uint8_t *s, size_t sl, size_t *bp,
+                                  uint8_t *o, size_t m)
+{
+    const uint64_t mask = (1u << dt->log) - 1;
+    size_t i, pos = *bp;
+    for (i = 0; i < m; i++) {
+        size_t k = (size_t)(kvh_peek_safe(s, sl, pos) & mask);
+        o[i] = dt->sym[k];
+        pos += dt->len[k];
+        if (pos > 8 * sl) return -1;
+    }
+    *bp = pos;
+    return 0;
+}
+
+static inline int kvh_decode_huf(const uint8_t *src, size_t len, uint8_t *dst, size_t m)
+{
+    kvh_dtable dt;
+    ptrdiff_t tl = kvh_read_table(src, len, &dt);
+    const uint8_t *s[4];
+    size_t sl[4], bp[4] = {0, 0, 0, 0}, qn[4], q = m / 4, pos, rest;
+    uint8_t *o[4];
+    int j;
+
+    if (tl < 0) return KVH_ERR_CORRUPT;
+    pos = (size_t)tl;
+    if (len - pos < 12) return KVH_ERR_CORRUPT;
+    rest = len - pos - 12;
+    for (j = 0; j < 3; j++) {
+        sl[j] = kvh_load32(src + pos + 4 * j);
+        if (sl[j] > rest) return KVH_ERR_CORRUPT;
+        rest -= sl[j];
+    }
+    sl[3] = rest;
+    pos += 12;
+    qn[0] = qn[1] = qn[2] = q;
+    qn[3] = m - 3 * q;
+    for (j = 0; j < 4; j++) {
+        s[j] = src + pos;
+        pos += sl[j];
+        o[j] = dst + j * q;
+    }
+    {
+        /* fast loop: 4 symbols (<= 48 bits) per stream from one 64-bit load (>= 57 bits valid);
+         * state in locals (the byte stores could alias arrays), 4 symbols stored at once */
+        const uint8_t *ts = dt.sym, *tl = dt.len;
+        const uint64_t mask = (1u << dt.log) - 1;
+        const uint8_t *s0 = s[0], *s1 = s[1], *s2 = s[2], *s3 = s[3];
+        size_t p0 = 0, p1 = 0, p2 = 0, p3 = 0, i;
+        const size_t l0 = sl[0] < 8 ? 0 : (sl[0] - 8) * 8, l1 = sl[1] < 8 ? 0 : (sl[1] - 8) * 8;
+        const size_t l2 = sl[2] < 8 ? 0 : (sl[2] - 8) * 8, l3 = sl[3] < 8 ? 0 : (sl[3] - 8) * 8;
+        const size_t n4 = q / 4;
+        uint8_t *o0 = o[0], *o1 = o[1], *o2 = o[2], *o3 = o[3];
+#define KVH_SYM(b, pos, out, k) \
+        do { \
+            size_t x_ = (size_t)((b) & mask); \
+            unsigned n_ = tl[x_]; \
+            (out)[k] = ts[x_]; \
+            (b) >>= n_; \
+            (pos) += n_; \
+        } while (0)
+#define KVH_DEC4(sp, pos, out) \
+        do { \
+            uint64_t b_ = kvh_load64((sp) + ((pos) >> 3)) >> ((pos) & 7); \
+            KVH_SYM(b_, pos, out, 0); \
+            KVH_SYM(b_, pos, out, 1); \
+            KVH_SYM(b_, pos, out, 2); \
+            KVH_SYM(b_, pos, out, 3); \
+            (out) += 4; \
+        } while (0)
+        /* (pos >> 3) + 8 <= sl  <=>  pos < (sl - 8) * 8 + 8, tested as pos <= l (a multiple of 8
+         * below sl - 8 bytes is enough: the bound is conservative by up to 7 bits) */
+        if (sl[0] >= 8 && sl[1] >= 8 && sl[2] >= 8 && sl[3] >= 8) {
+            for (i = 0; i < n4; i++) {
+                if (p0 > l0 || p1 > l1 || p2 > l2 || p3 > l3) break;
+                KVH_DEC4(s0, p0, o0);
+                KVH_DEC4(s1, p1, o1);
+                KVH_DEC4(s2, p2, o2);
+                KVH_DEC4(s3, p3, o3);
+            }
+        }
+#undef KVH_DEC4
+#undef KVH_SYM
+        bp[0] = p0; bp[1] = p1; bp[2] = p2; bp[3] = p3;
+        o[0] = o0; o[1] = o1; o[2] = o2; o[3] = o3;
+        for (j = 0; j < 4; j++) {
+            size_t done = (size_t)(o[j] - (dst + j * q));
+            if (kvh_decode_tail(&dt, s[j], sl[j], &bp[j], o[j], qn[j] - done) < 0)
+                return KVH_ERR_CORRUPT;
+            /* the stream must end exactly where its last code ends */
+            if ((bp[j] + 7) / 8 != sl[j]) return KVH_ERR_CORRUPT;
+        }
+    }
+    return 0;
+}
+
+/* Decode one segment (len bytes at src) into m bytes at dst. */
+static inline int kvh_decode_seg(const uint8_t *src, size_t len, uint8_t *dst, size_t m)
+{
+    if (len < 1) return KVH_ERR_CORRUPT;
+    switch (src[0]) {
+    case KVH_SEG_RAW:
+        if (len != m + 1) return KVH_ERR_CORRUPT;
+        memcpy(dst, src + 1, m);
+        return 0;
+    case KVH_SEG_CONST:
+        if (len != 2) return KVH_ERR_CORRUPT;
+        memset(dst, src[1], m);
+        return 0;
+    case KVH_SEG_HUF:
+        return kvh_decode_huf(src + 1, len - 1, dst, m);
+    default:
+        return KVH_ERR_CORRUPT;
+    }
+}
+
+/* Segment i of a plane section: sets p and sl, checking the length table. The offsets are
+ * accumulated by the caller in *off (start with 4 * nseg). */
+static inline int kvh_segment(const uint8_t *src, size_t len, size_t nseg, size_t i, size_t *off,
+                              const uint8_t **p, size_t *sl)
+{
+    size_t l = kvh_load32(src + 4 * i);
+    if (l > len - *off) return KVH_ERR_CORRUPT;
+    *p = src + *off;
+    *sl = l;
+    *off += l;
+    if (i + 1 == nseg && *off != len) return KVH_ERR_CORRUPT;
+    return 0;
+}
+
+/* Decode a whole plane section (len bytes) into n bytes at dst. */
+static inline int kvh_decode_plane(const uint8_t *src, size_t len, uint8_t *dst, size_t n, size_t seg)
+{
+    size_t nseg, i, off;
+    if (seg == 0) return KVH_ERR_ARG;
+    nseg = (n + seg - 1) / seg;
+    if (nseg == 0) return len == 0 ? 0 : KVH_ERR_CORRUPT;
+    if (len < 4 * nseg) return KVH_ERR_CORRUPT;
+    off = 4 * nseg;
+    for (i = 0; i < nseg; i++) {
+        const uint8_t *p;
+        size_t sl, a = i * seg, m = n - a < seg ? n - a : seg;
+        int r = kvh_segment(src, len, nseg, i, &off, &p, &sl);
+        if (r < 0) return r;
+        r = kvh_decode_seg(p, sl, dst + a, m);
+        if (r < 0) return r;
+    }
+    return 0;
+}
+
+#endif /* KVHUFF_H */
