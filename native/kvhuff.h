@@ -30,6 +30,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kvshuffle.h"
+
 #define KVH_MAX_LOG 12 /* longest code the decoder accepts (4-bit lengths could say 15) */
 #define KVH_DEFAULT_LOG 11
 #define KVH_SLACK 16 /* the encoder may store up to this many bytes past its output */
@@ -398,13 +400,33 @@ static inline ptrdiff_t kvh_encode_plane(const uint8_t *src, size_t n, size_t se
 
 /* ------------------------------------------------------------------ decoder */
 
-/* Decode tables indexed by the next maxlen bits of a stream: symbol and code length. Two byte
- * tables rather than one packed entry: no unpacking instructions in the hot loop. */
+/* Decode tables indexed by the next maxlen bits of a stream. sym/len: the first symbol and its
+ * code length. sy2/nb2/ns2: one or two symbols (ns2 of them) whose codes both fit in the window,
+ * and their total length, so the fast loop mostly emits two symbols per lookup. Separate arrays
+ * rather than packed entries: no unpacking instructions in the hot loop. */
 typedef struct {
     uint8_t sym[1 << KVH_MAX_LOG];
     uint8_t len[1 << KVH_MAX_LOG];
+    uint16_t sy2[1 << KVH_MAX_LOG];
+    uint8_t nb2[1 << KVH_MAX_LOG];
+    uint8_t ns2[1 << KVH_MAX_LOG];
     int log;
 } kvh_dtable;
+
+/* Fill the pair tables from sym/len: the second code is the one the bits after the first
+ * code start with; it counts only if it lies entirely inside the window. */
+static inline void kvh_build_pairs(kvh_dtable *dt)
+{
+    const unsigned L = (unsigned)dt->log, size = 1u << L;
+    unsigned x;
+    for (x = 0; x < size; x++) {
+        unsigned l1 = dt->len[x], r = x >> l1, l2 = dt->len[r];
+        int two = l1 + l2 <= L;
+        dt->sy2[x] = (uint16_t)(dt->sym[x] | (dt->sym[r] << 8));
+        dt->nb2[x] = (uint8_t)(two ? l1 + l2 : l1);
+        dt->ns2[x] = (uint8_t)(1 + two);
+    }
+}
 
 /* Parse a HUF segment's code description at p (avail bytes). Returns bytes used or -1. */
 static inline ptrdiff_t kvh_read_table(const uint8_t *p, size_t avail, kvh_dtable *dt)
@@ -510,38 +532,44 @@ static inline int kvh_decode_huf(const uint8_t *src, size_t len, uint8_t *dst, s
         o[j] = dst + j * q;
     }
     {
-        /* fast loop: 4 symbols (<= 48 bits) per stream from one 64-bit load (>= 57 bits valid);
-         * state in locals (the byte stores could alias arrays), 4 symbols stored at once */
-        const uint8_t *ts = dt.sym, *tl = dt.len;
+        /* fast loop: 4 lookups (<= 48 bits) per stream from one 64-bit load (>= 57 bits
+         * valid), each emitting 1 or 2 symbols (a 2-byte store, advancing by the count);
+         * state in locals, which the byte stores cannot alias */
+        const uint16_t *ty = dt.sy2;
+        const uint8_t *tb = dt.nb2, *tn = dt.ns2;
         const uint64_t mask = (1u << dt.log) - 1;
         const uint8_t *s0 = s[0], *s1 = s[1], *s2 = s[2], *s3 = s[3];
-        size_t p0 = 0, p1 = 0, p2 = 0, p3 = 0, i;
+        size_t p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+        /* (pos >> 3) + 8 <= sl holds while pos <= (sl - 8) * 8 */
         const size_t l0 = sl[0] < 8 ? 0 : (sl[0] - 8) * 8, l1 = sl[1] < 8 ? 0 : (sl[1] - 8) * 8;
         const size_t l2 = sl[2] < 8 ? 0 : (sl[2] - 8) * 8, l3 = sl[3] < 8 ? 0 : (sl[3] - 8) * 8;
-        const size_t n4 = q / 4;
         uint8_t *o0 = o[0], *o1 = o[1], *o2 = o[2], *o3 = o[3];
-#define KVH_SYM(b, pos, out, k) \
+        /* a stream may write up to 8 bytes per round: stop 8 before the end of its quarter */
+        uint8_t *const e0 = dst + q, *const e1 = dst + 2 * q, *const e2 = dst + 3 * q;
+        uint8_t *const e3 = dst + m;
+#define KVH_PAIR(b, pos, out) \
         do { \
             size_t x_ = (size_t)((b) & mask); \
-            unsigned n_ = tl[x_]; \
-            (out)[k] = ts[x_]; \
+            unsigned n_ = tb[x_]; \
+            uint16_t y_ = ty[x_]; \
+            (out)[0] = (uint8_t)y_; /* one 2-byte store on little-endian machines */ \
+            (out)[1] = (uint8_t)(y_ >> 8); \
+            (out) += tn[x_]; \
             (b) >>= n_; \
             (pos) += n_; \
         } while (0)
 #define KVH_DEC4(sp, pos, out) \
         do { \
             uint64_t b_ = kvh_load64((sp) + ((pos) >> 3)) >> ((pos) & 7); \
-            KVH_SYM(b_, pos, out, 0); \
-            KVH_SYM(b_, pos, out, 1); \
-            KVH_SYM(b_, pos, out, 2); \
-            KVH_SYM(b_, pos, out, 3); \
-            (out) += 4; \
+            KVH_PAIR(b_, pos, out); \
+            KVH_PAIR(b_, pos, out); \
+            KVH_PAIR(b_, pos, out); \
+            KVH_PAIR(b_, pos, out); \
         } while (0)
-        /* (pos >> 3) + 8 <= sl  <=>  pos < (sl - 8) * 8 + 8, tested as pos <= l (a multiple of 8
-         * below sl - 8 bytes is enough: the bound is conservative by up to 7 bits) */
-        if (sl[0] >= 8 && sl[1] >= 8 && sl[2] >= 8 && sl[3] >= 8) {
-            for (i = 0; i < n4; i++) {
-                if (p0 > l0 || p1 > l1 || p2 > l2 || p3 > l3) break;
+        kvh_build_pairs(&dt);
+        if (sl[0] >= 8 && sl[1] >= 8 && sl[2] >= 8 && sl[3] >= 8 && q >= 8) {
+            while (p0 <= l0 && p1 <= l1 && p2 <= l2 && p3 <= l3 && o0 + 8 <= e0 &&
+                   o1 + 8 <= e1 && o2 + 8 <= e2 && o3 + 8 <= e3) {
                 KVH_DEC4(s0, p0, o0);
                 KVH_DEC4(s1, p1, o1);
                 KVH_DEC4(s2, p2, o2);
@@ -549,7 +577,7 @@ static inline int kvh_decode_huf(const uint8_t *src, size_t len, uint8_t *dst, s
             }
         }
 #undef KVH_DEC4
-#undef KVH_SYM
+#undef KVH_PAIR
         bp[0] = p0; bp[1] = p1; bp[2] = p2; bp[3] = p3;
         o[0] = o0; o[1] = o1; o[2] = o2; o[3] = o3;
         for (j = 0; j < 4; j++) {
@@ -615,6 +643,73 @@ static inline int kvh_decode_plane(const uint8_t *src, size_t len, uint8_t *dst,
         if (r < 0) return r;
     }
     return 0;
+}
+
+/* ------------------------------------------------------------------ fused with the 2-byte split */
+
+/* Split n 2-byte elements of src (rotated left by rot): low plane into lo, high plane coded
+ * into a plane section at dst (cap >= kvh_plane_bound(n, seg)); scratch holds seg bytes. */
+static inline ptrdiff_t kvh_encode2(const uint8_t *src, size_t n, int rot, uint8_t *lo, uint8_t *dst,
+                                    size_t cap, uint8_t *scratch, size_t seg, int maxbits,
+                             size_t min_gain)
+{
+    size_t nseg, i, pos;
+    if (seg == 0 || maxbits < 8 || maxbits > KVH_MAX_LOG) return KVH_ERR_ARG;
+    if (cap < kvh_plane_bound(n, seg)) return KVH_ERR_SPACE;
+    nseg = (n + seg - 1) / seg;
+    pos = 4 * nseg;
+    for (i = 0; i < nseg; i++) {
+        size_t a = i * seg, m = n - a < seg ? n - a : seg;
+        ptrdiff_t r;
+        kvs_split2(src + 2 * a, lo + a, scratch, m, rot);
+        r = kvh_encode_seg(scratch, m, dst + pos, cap - pos, maxbits, min_gain);
+        if (r < 0) return r;
+        kvh_store32(dst + 4 * i, (uint32_t)r);
+        pos += (size_t)r;
+    }
+    return (ptrdiff_t)pos;
+}
+
+/* Inverse: decode the high-plane section (len bytes) segment by segment into scratch (seg
+ * bytes; raw segments are read in place) and join it with lo into dst (2 * n bytes). */
+static inline int kvh_decode2(const uint8_t *src, size_t len, const uint8_t *lo, uint8_t *dst,
+                       size_t n, int rot, uint8_t *scratch, size_t seg)
+{
+    size_t nseg, i, off;
+    if (seg == 0) return KVH_ERR_ARG;
+    nseg = (n + seg - 1) / seg;
+    if (nseg == 0) return len == 0 ? 0 : KVH_ERR_CORRUPT;
+    if (len < 4 * nseg) return KVH_ERR_CORRUPT;
+    off = 4 * nseg;
+    for (i = 0; i < nseg; i++) {
+        const uint8_t *p, *hi = scratch;
+        size_t sl, a = i * seg, m = n - a < seg ? n - a : seg;
+        int r = kvh_segment(src, len, nseg, i, &off, &p, &sl);
+        if (r < 0) return r;
+        if (sl == m + 1 && p[0] == KVH_SEG_RAW) hi = p + 1;
+        else if ((r = kvh_decode_seg(p, sl, scratch, m)) < 0) return r;
+        kvs_join2(lo + a, hi, dst + 2 * a, m, rot);
+    }
+    return 0;
+}
+
+/* Size a single HUF segment would take for src (header included), or m + 1 if raw. */
+static inline size_t kvh_estimate(const uint8_t *src, size_t m, int maxbits)
+{
+    uint32_t h[4][256], freq[256];
+    uint8_t len[256];
+    uint64_t bits = 0;
+    int s, used = 0, first = -1, last = -1;
+    if (m == 0) return 0;
+    kvh_hist4(src, m, h);
+    for (s = 0; s < 256; s++) {
+        freq[s] = h[0][s] + h[1][s] + h[2][s] + h[3][s];
+        if (freq[s]) { used++; if (first < 0) first = s; last = s; }
+    }
+    if (used == 1) return 2;
+    kvh_build_lengths(freq, maxbits, len);
+    for (s = 0; s < 256; s++) bits += (uint64_t)freq[s] * len[s];
+    return (size_t)(bits / 8) + 4 + 4 + (size_t)(last - first + 2) / 2 + 12;
 }
 
 #endif /* KVHUFF_H */
