@@ -231,46 +231,48 @@ static inline void kvh_hist4(const uint8_t *src, size_t m, uint32_t h[4][256])
     }
 }
 
-typedef struct {
-    uint64_t acc;
-    unsigned nb;
-    uint8_t *out;
-} kvh_bits;
-
-#define KVH_PUT(st, e) \
-    do { \
-        (st).acc |= (uint64_t)((e) & 0xffffu) << (st).nb; \
-        (st).nb += (e) >> 16; \
-    } while (0)
-
-#define KVH_FLUSH(st) \
-    do { \
-        kvh_store64((st).out, (st).acc); \
-        (st).out += (st).nb >> 3; \
-        (st).acc >>= (st).nb & ~7u; \
-        (st).nb &= 7u; \
-    } while (0)
-
-/* Finish a stream byte by byte: never writes at or past end. Returns 0, or -1 if the stream
- * would not end exactly at end (cannot happen when the sizes were computed from the counts). */
-static inline int kvh_finish(kvh_bits *st, const uint8_t *src, size_t i, size_t m,
-                             const uint32_t *ct, uint8_t *end)
+/* Code m symbols of x into exactly [out, end) (its size computed from the counts). One stream at a
+ * time: the encoder is bound by instruction throughput, not latency, so interleaving streams
+ * would only add register spills. State lives in locals, which the byte stores cannot alias.
+ * Returns 0, or -1 if the stream would not end exactly at end. */
+static inline int kvh_encode_stream(const uint8_t *x, size_t m, const uint16_t *code,
+                                    const uint8_t *clen, uint8_t *out, uint8_t *end)
 {
+    uint64_t acc = 0;
+    unsigned nb = 0;
+    size_t i = 0;
+    /* 4 codes (<= 48 bits) + < 8 pending bits fit in the accumulator; the flush stores 8 bytes,
+     * so the fast loop stops 8 bytes before the end of this stream */
+    for (; i + 4 <= m && out + 8 <= end; i += 4) {
+        const uint8_t *y = x + i;
+        acc |= (uint64_t)code[y[0]] << nb;
+        nb += clen[y[0]];
+        acc |= (uint64_t)code[y[1]] << nb;
+        nb += clen[y[1]];
+        acc |= (uint64_t)code[y[2]] << nb;
+        nb += clen[y[2]];
+        acc |= (uint64_t)code[y[3]] << nb;
+        nb += clen[y[3]];
+        kvh_store64(out, acc);
+        out += nb >> 3;
+        acc >>= nb & ~7u;
+        nb &= 7u;
+    }
     for (; i < m; i++) {
-        uint32_t e = ct[src[i]];
-        KVH_PUT(*st, e);
-        while (st->nb >= 8) {
-            if (st->out >= end) return -1;
-            *st->out++ = (uint8_t)st->acc;
-            st->acc >>= 8;
-            st->nb -= 8;
+        acc |= (uint64_t)code[x[i]] << nb;
+        nb += clen[x[i]];
+        while (nb >= 8) {
+            if (out >= end) return -1;
+            *out++ = (uint8_t)acc;
+            acc >>= 8;
+            nb -= 8;
         }
     }
-    if (st->nb) {
-        if (st->out >= end) return -1;
-        *st->out++ = (uint8_t)st->acc;
+    if (nb) {
+        if (out >= end) return -1;
+        *out++ = (uint8_t)acc;
     }
-    return st->out == end ? 0 : -1;
+    return out == end ? 0 : -1;
 }
 
 /* Encode one segment of m bytes into dst (room for cap bytes). A Huffman segment is only written
@@ -285,8 +287,7 @@ static inline ptrdiff_t kvh_encode_seg(const uint8_t *src, size_t m, uint8_t *ds
     size_t qbytes[4], hdr, total, q = m / 4, qn[4];
     int first = -1, last = -1, used = 0, s, j, maxlen;
     uint8_t *p;
-    kvh_bits st[4];
-    uint8_t *end[4];
+    uint8_t *start[4], *end[4];
     const uint8_t *in[4];
 
     if (m == 0) return 0;
@@ -334,46 +335,21 @@ static inline ptrdiff_t kvh_encode_seg(const uint8_t *src, size_t m, uint8_t *ds
     qn[0] = qn[1] = qn[2] = q;
     qn[3] = m - 3 * q;
     for (j = 0; j < 4; j++) {
-        st[j].acc = 0;
-        st[j].nb = 0;
-        st[j].out = p;
+        start[j] = p;
         p += qbytes[j];
         end[j] = p;
         in[j] = src + j * q;
     }
     {
-        /* 4 streams interleaved (independent chains), state in locals so that the byte stores
-         * cannot alias it; each flush stores 8 bytes, so a stream leaves the fast loop before it
-         * could store into the next one */
-        uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-        unsigned n0 = 0, n1 = 0, n2 = 0, n3 = 0;
-        uint8_t *p0 = st[0].out, *p1 = st[1].out, *p2 = st[2].out, *p3 = st[3].out;
-        const uint8_t *x0 = in[0], *x1 = in[1], *x2 = in[2], *x3 = in[3];
-        size_t i = 0;
-#define KVH_ENC4(acc, nb, out, x) \
-        do { \
-            uint32_t e0_ = ct[(x)[i]], e1_ = ct[(x)[i + 1]], e2_ = ct[(x)[i + 2]], e3_ = ct[(x)[i + 3]]; \
-            acc |= (uint64_t)(e0_ & 0xffffu) << nb; nb += e0_ >> 16; \
-            acc |= (uint64_t)(e1_ & 0xffffu) << nb; nb += e1_ >> 16; \
-            acc |= (uint64_t)(e2_ & 0xffffu) << nb; nb += e2_ >> 16; \
-            acc |= (uint64_t)(e3_ & 0xffffu) << nb; nb += e3_ >> 16; \
-            kvh_store64(out, acc); out += nb >> 3; acc >>= nb & ~7u; nb &= 7u; \
-        } while (0)
-        while (i + 4 <= q && p0 + 8 <= end[0] && p1 + 8 <= end[1] && p2 + 8 <= end[2] &&
-               p3 + 8 <= end[3]) {
-            KVH_ENC4(a0, n0, p0, x0);
-            KVH_ENC4(a1, n1, p1, x1);
-            KVH_ENC4(a2, n2, p2, x2);
-            KVH_ENC4(a3, n3, p3, x3);
-            i += 4;
+        uint16_t code[256];
+        uint8_t clen[256];
+        for (s = 0; s < 256; s++) {
+            code[s] = (uint16_t)ct[s];
+            clen[s] = (uint8_t)(ct[s] >> 16);
         }
-#undef KVH_ENC4
-        st[0].acc = a0; st[0].nb = n0; st[0].out = p0;
-        st[1].acc = a1; st[1].nb = n1; st[1].out = p1;
-        st[2].acc = a2; st[2].nb = n2; st[2].out = p2;
-        st[3].acc = a3; st[3].nb = n3; st[3].out = p3;
         for (j = 0; j < 4; j++)
-            if (kvh_finish(&st[j], in[j], i, qn[j], ct, end[j]) < 0) return KVH_ERR_SPACE;
+            if (kvh_encode_stream(in[j], qn[j], code, clen, start[j], end[j]) < 0)
+                return KVH_ERR_SPACE;
     }
     return (ptrdiff_t)(p - dst);
 }
@@ -558,25 +534,36 @@ static inline int kvh_decode_huf(const uint8_t *src, size_t len, uint8_t *dst, s
             (b) >>= n_; \
             (pos) += n_; \
         } while (0)
-#define KVH_DEC4(sp, pos, out) \
+/* the 4 streams' lookups are interleaved one by one, so that independent work sits close
+ * together in program order (stream after stream, the chains would fill the scheduler) */
+#define KVH_LOAD(sp, pos) (kvh_load64((sp) + ((pos) >> 3)) >> ((pos) & 7))
+#define KVH_ROUND(k) \
         do { \
-            uint64_t b_ = kvh_load64((sp) + ((pos) >> 3)) >> ((pos) & 7); \
-            KVH_PAIR(b_, pos, out); \
-            KVH_PAIR(b_, pos, out); \
-            KVH_PAIR(b_, pos, out); \
-            KVH_PAIR(b_, pos, out); \
+            uint64_t b0 = KVH_LOAD(s0, p0), b1 = KVH_LOAD(s1, p1); \
+            uint64_t b2 = KVH_LOAD(s2, p2), b3 = KVH_LOAD(s3, p3); \
+            int r_; \
+            for (r_ = 0; r_ < (k); r_++) { \
+                KVH_PAIR(b0, p0, o0); \
+                KVH_PAIR(b1, p1, o1); \
+                KVH_PAIR(b2, p2, o2); \
+                KVH_PAIR(b3, p3, o3); \
+            } \
         } while (0)
         kvh_build_pairs(&dt);
-        if (sl[0] >= 8 && sl[1] >= 8 && sl[2] >= 8 && sl[3] >= 8 && q >= 8) {
-            while (p0 <= l0 && p1 <= l1 && p2 <= l2 && p3 <= l3 && o0 + 8 <= e0 &&
-                   o1 + 8 <= e1 && o2 + 8 <= e2 && o3 + 8 <= e3) {
-                KVH_DEC4(s0, p0, o0);
-                KVH_DEC4(s1, p1, o1);
-                KVH_DEC4(s2, p2, o2);
-                KVH_DEC4(s3, p3, o3);
+        if (sl[0] >= 8 && sl[1] >= 8 && sl[2] >= 8 && sl[3] >= 8 && q >= 10) {
+            if (dt.log <= 11) {
+                /* 5 lookups of <= 11 bits fit in the 57 valid bits: one refill per 5 */
+                while (p0 <= l0 && p1 <= l1 && p2 <= l2 && p3 <= l3 && o0 + 10 <= e0 &&
+                       o1 + 10 <= e1 && o2 + 10 <= e2 && o3 + 10 <= e3)
+                    KVH_ROUND(5);
+            } else {
+                while (p0 <= l0 && p1 <= l1 && p2 <= l2 && p3 <= l3 && o0 + 8 <= e0 &&
+                       o1 + 8 <= e1 && o2 + 8 <= e2 && o3 + 8 <= e3)
+                    KVH_ROUND(4);
             }
         }
-#undef KVH_DEC4
+#undef KVH_ROUND
+#undef KVH_LOAD
 #undef KVH_PAIR
         bp[0] = p0; bp[1] = p1; bp[2] = p2; bp[3] = p3;
         o[0] = o0; o[1] = o1; o[2] = o2; o[3] = o3;

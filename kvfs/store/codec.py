@@ -57,6 +57,8 @@ buffers are per thread (``threading.local``), and the shuffle loops run without 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import struct
 import threading
@@ -172,6 +174,11 @@ class CodecPolicy:
     huff_seg_min_saving: float = 0.01
     # choose() looks at no more than this much of the sample.
     sample_bytes: int = 64 * 1024
+    # Keep freed MiB-sized buffers in the malloc heap (glibc only; process-wide, set once).
+    # By default glibc hands every chunk-sized buffer back to the kernel when it is freed, so
+    # each new payload or decoded chunk page-faults all its pages in again: measured, that
+    # costs as much as the Huffman decoding of an fp16 chunk. See _keep_freed_memory.
+    keep_freed_memory: bool = True
     # Verify the payload checksum on decode. Turn off only if the caller verifies its own checksum
     # of the stored record (the structural checks still guarantee the output length).
     verify: bool = True
@@ -219,6 +226,8 @@ class Codec:
             raise ValueError(f"huff_bits must be in 8..{_huff.MAX_LOG}")
         self._local = _Local()
         p = policy
+        if p.keep_freed_memory:
+            _keep_freed_memory()
         # bytes a Huffman segment must save (else stored raw)
         self._min_gain = int((1 << p.segment_log2) * p.huff_seg_min_saving)
         # Entropy-coding planes: zstd at `level` with the overrides above.
@@ -521,7 +530,9 @@ class Codec:
         if n == 0:
             return _MODE_RAW, plane
         probe = _probe_sample(plane)
-        if _huff.estimate(probe, self.policy.huff_bits) <= len(probe) * (1.0 - 0.01):
+        # the probe must show most of the saving asked of the plane (its table costs more)
+        pms = self.policy.plane_min_saving
+        if _huff.estimate(probe, self.policy.huff_bits) <= len(probe) * (1.0 - pms / 2):
             sec = self._local.scratch_view(_huff.plane_bound(n, seg_log2), 1)
             ln = _huff.encode_plane(plane, sec, seg_log2, self.policy.huff_bits, self._min_gain)
             if ln <= best_len:
@@ -858,6 +869,28 @@ def _unzstd_frame(dctx: zstandard.ZstdDecompressor, frame: memoryview, size: int
     if len(out) != size:
         raise CodecError(f"zstd frame decoded to {len(out)} bytes, expected {size}")
     return out
+
+
+_MALLOC_TUNED = False
+
+
+def _keep_freed_memory() -> None:
+    """mallopt: serve buffers up to 64 MiB from the heap rather than from fresh mmaps, and only
+    trim the heap past 512 MiB free, so that chunk buffers are recycled instead of faulted in anew
+    (the daemon allocates and frees a few MiB per chunk). Peak heap use is retained, bounded by
+    the number of chunk buffers in flight. A no-op where glibc's mallopt is not available."""
+    global _MALLOC_TUNED
+    if _MALLOC_TUNED:
+        return
+    _MALLOC_TUNED = True
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's <malloc.h>
+    ok = mallopt(m_mmap_threshold, 64 << 20) and mallopt(m_trim_threshold, 512 << 20)
+    log.debug("codec: mallopt %s", "set" if ok else "refused")
 
 
 def _probe_sample(plane: memoryview) -> bytes | memoryview:
