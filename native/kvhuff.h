@@ -28,6 +28,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kvshuffle.h"
@@ -275,11 +276,70 @@ static inline int kvh_encode_stream(const uint8_t *x, size_t m, const uint16_t *
     return out == end ? 0 : -1;
 }
 
+/* Pair table for the encoder: entry [s1 | s2 << 8] = the codes of s1 then s2 (<= 24 bits) |
+ * their total length << 24, filled for the used symbols only (the rest is never read). Halves
+ * the work per symbol of the coding loop; filling costs used^2 entries, so it is only used
+ * when few symbols occur: the bf16 exponent plane (~20 per 64 KiB segment) codes 15% faster,
+ * fp16's high byte (~130) 20% slower (measured). */
+#define KVH_PAIR_ENTRIES 65536
+#define KVH_PAIR_MAX_USED 64
+
+static inline void kvh_fill_pairs(uint32_t *pt, const uint8_t *used_syms, int used,
+                                  const uint16_t *code, const uint8_t *clen)
+{
+    int a, b;
+    for (a = 0; a < used; a++) {
+        unsigned s1 = used_syms[a], l1 = clen[s1];
+        uint32_t c1 = code[s1];
+        for (b = 0; b < used; b++) {
+            unsigned s2 = used_syms[b];
+            pt[s1 | s2 << 8] = (c1 | (uint32_t)code[s2] << l1) | (l1 + clen[s2]) << 24;
+        }
+    }
+}
+
+/* kvh_encode_stream with the pair table: 2 lookups (<= 48 bits) per flush. */
+static inline int kvh_encode_stream2(const uint8_t *x, size_t m, const uint32_t *pt,
+                                     const uint16_t *code, const uint8_t *clen, uint8_t *out,
+                                     uint8_t *end)
+{
+    uint64_t acc = 0;
+    unsigned nb = 0;
+    size_t i = 0;
+    for (; i + 4 <= m && out + 8 <= end; i += 4) {
+        const uint8_t *y = x + i;
+        uint32_t e0 = pt[y[0] | (unsigned)y[1] << 8], e1 = pt[y[2] | (unsigned)y[3] << 8];
+        acc |= (uint64_t)(e0 & 0xffffffu) << nb;
+        nb += e0 >> 24;
+        acc |= (uint64_t)(e1 & 0xffffffu) << nb;
+        nb += e1 >> 24;
+        kvh_store64(out, acc);
+        out += nb >> 3;
+        acc >>= nb & ~7u;
+        nb &= 7u;
+    }
+    for (; i < m; i++) {
+        acc |= (uint64_t)code[x[i]] << nb;
+        nb += clen[x[i]];
+        while (nb >= 8) {
+            if (out >= end) return -1;
+            *out++ = (uint8_t)acc;
+            acc >>= 8;
+            nb -= 8;
+        }
+    }
+    if (nb) {
+        if (out >= end) return -1;
+        *out++ = (uint8_t)acc;
+    }
+    return out == end ? 0 : -1;
+}
+
 /* Encode one segment of m bytes into dst (room for cap bytes). A Huffman segment is only written
  * when it is at most m - min_gain bytes, else the segment is stored raw (1 + m bytes).
  * Returns the segment's length, or KVH_ERR_SPACE. */
 static inline ptrdiff_t kvh_encode_seg(const uint8_t *src, size_t m, uint8_t *dst, size_t cap,
-                                       int maxbits, size_t min_gain)
+                                       int maxbits, size_t min_gain, uint32_t *pairs)
 {
     uint32_t h[4][256], freq[256], ct[256];
     uint8_t len[256];
@@ -347,9 +407,20 @@ static inline ptrdiff_t kvh_encode_seg(const uint8_t *src, size_t m, uint8_t *ds
             code[s] = (uint16_t)ct[s];
             clen[s] = (uint8_t)(ct[s] >> 16);
         }
-        for (j = 0; j < 4; j++)
-            if (kvh_encode_stream(in[j], qn[j], code, clen, start[j], end[j]) < 0)
-                return KVH_ERR_SPACE;
+        if (pairs != NULL && used <= KVH_PAIR_MAX_USED) {
+            uint8_t used_syms[256];
+            int u = 0;
+            for (s = first; s <= last; s++)
+                if (freq[s]) used_syms[u++] = (uint8_t)s;
+            kvh_fill_pairs(pairs, used_syms, u, code, clen);
+            for (j = 0; j < 4; j++)
+                if (kvh_encode_stream2(in[j], qn[j], pairs, code, clen, start[j], end[j]) < 0)
+                    return KVH_ERR_SPACE;
+        } else {
+            for (j = 0; j < 4; j++)
+                if (kvh_encode_stream(in[j], qn[j], code, clen, start[j], end[j]) < 0)
+                    return KVH_ERR_SPACE;
+        }
     }
     return (ptrdiff_t)(p - dst);
 }
@@ -360,17 +431,24 @@ static inline ptrdiff_t kvh_encode_plane(const uint8_t *src, size_t n, size_t se
                                          size_t cap, int maxbits, size_t min_gain)
 {
     size_t nseg, i, pos;
+    uint32_t *pairs;
     if (seg == 0 || maxbits < 8 || maxbits > KVH_MAX_LOG) return KVH_ERR_ARG;
     if (cap < kvh_plane_bound(n, seg)) return KVH_ERR_SPACE;
     nseg = (n + seg - 1) / seg;
     pos = 4 * nseg;
+    /* the pair table is an optimisation only: without memory, code symbol by symbol */
+    pairs = (uint32_t *)malloc(KVH_PAIR_ENTRIES * sizeof(uint32_t));
     for (i = 0; i < nseg; i++) {
         size_t a = i * seg, m = n - a < seg ? n - a : seg;
-        ptrdiff_t r = kvh_encode_seg(src + a, m, dst + pos, cap - pos, maxbits, min_gain);
-        if (r < 0) return r;
+        ptrdiff_t r = kvh_encode_seg(src + a, m, dst + pos, cap - pos, maxbits, min_gain, pairs);
+        if (r < 0) {
+            free(pairs);
+            return r;
+        }
         kvh_store32(dst + 4 * i, (uint32_t)r);
         pos += (size_t)r;
     }
+    free(pairs);
     return (ptrdiff_t)pos;
 }
 
@@ -636,24 +714,30 @@ static inline int kvh_decode_plane(const uint8_t *src, size_t len, uint8_t *dst,
 
 /* Split n 2-byte elements of src (rotated left by rot): low plane into lo, high plane coded
  * into a plane section at dst (cap >= kvh_plane_bound(n, seg)); scratch holds seg bytes. */
-static inline ptrdiff_t kvh_encode2(const uint8_t *src, size_t n, int rot, uint8_t *lo, uint8_t *dst,
-                                    size_t cap, uint8_t *scratch, size_t seg, int maxbits,
-                             size_t min_gain)
+static inline ptrdiff_t kvh_encode2(const uint8_t *src, size_t n, int rot, uint8_t *lo,
+                                    uint8_t *dst, size_t cap, uint8_t *scratch, size_t seg,
+                                    int maxbits, size_t min_gain)
 {
     size_t nseg, i, pos;
+    uint32_t *pairs;
     if (seg == 0 || maxbits < 8 || maxbits > KVH_MAX_LOG) return KVH_ERR_ARG;
     if (cap < kvh_plane_bound(n, seg)) return KVH_ERR_SPACE;
     nseg = (n + seg - 1) / seg;
     pos = 4 * nseg;
+    pairs = (uint32_t *)malloc(KVH_PAIR_ENTRIES * sizeof(uint32_t)); /* may be NULL: see above */
     for (i = 0; i < nseg; i++) {
         size_t a = i * seg, m = n - a < seg ? n - a : seg;
         ptrdiff_t r;
         kvs_split2(src + 2 * a, lo + a, scratch, m, rot);
-        r = kvh_encode_seg(scratch, m, dst + pos, cap - pos, maxbits, min_gain);
-        if (r < 0) return r;
+        r = kvh_encode_seg(scratch, m, dst + pos, cap - pos, maxbits, min_gain, pairs);
+        if (r < 0) {
+            free(pairs);
+            return r;
+        }
         kvh_store32(dst + 4 * i, (uint32_t)r);
         pos += (size_t)r;
     }
+    free(pairs);
     return (ptrdiff_t)pos;
 }
 

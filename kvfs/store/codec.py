@@ -537,7 +537,9 @@ class Codec:
             ln = _huff.encode_plane(plane, sec, seg_log2, self.policy.huff_bits, self._min_gain)
             if ln <= best_len:
                 best_mode, best, best_len = _MODE_HUF, sec[:ln], ln
-        if self._worth_lz(plane):
+        # LZ probe on the same sample (see _worth_lz)
+        lz_probe = self._compressor(2).compress(probe)
+        if len(lz_probe) <= 0.99 * len(probe):
             z = self._compressor(2).compress(plane)
             if len(z) <= best_len:
                 best_mode, best, best_len = _MODE_ZSTD, z, len(z)
@@ -894,11 +896,13 @@ def _keep_freed_memory() -> None:
 
 
 def _probe_sample(plane: memoryview) -> bytes | memoryview:
-    """4 spread pieces of 8 KiB of a plane (or all of a small one): a cheap statistics sample."""
+    """4 spread pieces of a plane, 1/32 of it but 2-8 KiB each (all of a small plane): a cheap
+    statistics sample whose cost stays a small fraction of coding the plane."""
     n = len(plane)
-    if n <= 4 * _PROBE_PIECE:
+    piece = max(2048, min(_PROBE_PIECE, n // 32))
+    if n <= 4 * piece:
         return plane
-    return b"".join(plane[k * n // 4 : k * n // 4 + _PROBE_PIECE] for k in range(4))
+    return b"".join(plane[k * n // 4 : k * n // 4 + piece] for k in range(4))
 
 
 def _looks_random(mv: memoryview) -> bool:
