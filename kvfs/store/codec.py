@@ -2,10 +2,12 @@
 
 KV-cache blocks are fp16/bf16 tensors. Their mantissa bits are close to random, so byte-oriented
 compressors barely help on the raw bytes (zstd-1: 1.09x fp16, 1.29x bf16). Splitting each element
-into byte planes ("byte shuffle") isolates the low-entropy sign/exponent byte, which zstd's Huffman
-literal coder then packs well, while the mantissa plane is stored as is (fast, and zstd could not
-shrink it anyway). Measured on real SmolLM2 KV data this matches or beats ZipNN's ratio at a higher
-speed; see tools/bench_codec.py.
+into byte planes ("byte shuffle") isolates the low-entropy sign/exponent byte, which an order-0
+entropy coder packs well, while the mantissa plane is stored as is (fast, and nothing could shrink
+it anyway). Codecs 2-4 entropy-code that plane with zstd; codecs 5-7, which choose() picks for new
+data, with kvfs's own Huffman coder (native/kvhuff.h: no match finder to run, four interleaved
+streams, two symbols per decode lookup). Measured on real SmolLM2 KV data this beats
+ZipNN's ratio at a higher speed; see tools/bench_codec.py.
 
 On-disk format
 ==============
@@ -34,10 +36,19 @@ before anything is decoded (probability 2**-32 of a miss). The body follows at o
 
 ``CODEC_SHUF4 = 4``: 4-byte elements (fp32, int32). Planar body, k = 4, no rotation.
 
+``CODEC_HUF2 = 5``: 2-byte elements (fp16, int16). Planar body, k = 2, no rotation, plane modes
+    0, 1, 3 (below): the high plane Huffman-coded, the low plane raw unless LZ (repeats) or Huffman
+    saves plane_min_saving.
+
+``CODEC_HUF2_ROT1 = 6``: bf16. As 5, with the rotation of codec 3.
+
+``CODEC_HUF4 = 7``: 4-byte elements (fp32, int32). As 5 with k = 4: each plane raw, LZ or Huffman,
+    whichever is smallest (the zero low planes of upcast fp16/bf16 become constant segments).
+
 Planar body (k planes, n = raw_len // k elements, t = raw_len % k trailing bytes)::
 
-    [0]          u8       seg_log2: segment size S = 2**seg_log2 bytes for mode-2 planes
-                          (0 if no plane uses mode 2; otherwise 10..24)
+    [0]          u8       seg_log2: segment size S = 2**seg_log2 bytes for mode-2/3 planes
+                          (codecs 2-4: 0 if no plane uses mode 2; otherwise 10..24)
     [1:1+k]      u8 * k   mode of plane j (plane j = byte j of every element, little-endian)
     [1+k:1+5k]   u32 * k  length in bytes of the section of plane j
     sections of planes 0 .. k-1, back to back
@@ -50,9 +61,29 @@ Planar body (k planes, n = raw_len // k elements, t = raw_len % k trailing bytes
                    the section starts with ceil(n / S) u32 frame lengths, then the frames.
                    Separate frames give each 64 KiB of the exponent plane its own Huffman table,
                    which follows the statistics of the data better than zstd's 128 KiB blocks.
+                   Codecs 2-4 only.
+      3  HUF:      codecs 5-7 only. The section is a Huffman plane section (native/kvhuff.h):
+                   ceil(n / S) u32 segment lengths, then the segments, segment i coding plane bytes
+                   [i*S, min(n, (i+1)*S)). Each segment starts with a kind byte:
+                     0 RAW    the segment's bytes as is (Huffman would not save 1%)
+                     1 CONST  1 byte, the value of every byte of the segment
+                     2 HUF    u8 maxlen (1..12), u8 first, u8 last, then ceil((last-first+1)/2)
+                              bytes of 4-bit code lengths of symbols first..last (low nibble
+                              first, 0 = absent; they must form a complete prefix code), u32 * 3
+                              byte lengths of streams 0..2, then streams 0..3 (3 takes the rest).
+                              Stream j codes quarter j of the segment (q = m // 4 bytes each, the
+                              last one also the m % 4 left over) with the canonical code (shorter
+                              codes first, ties by symbol), least significant bit first, zero-
+                              padded to a byte; a stream must be consumed exactly.
+
+Decoding never trusts the payload beyond the check word: every length is checked against the
+payload and the plane size, Huffman tables must be complete codes, and the native decoder neither
+reads nor writes outside its buffers whatever the input (tests fuzz it); any inconsistency raises
+``CodecError``.
 
 Threading: a ``Codec`` may be shared by the chunk store's worker threads; zstd contexts and scratch
-buffers are per thread (``threading.local``), and the shuffle loops run without the GIL.
+buffers are per thread (``threading.local``), and the shuffle and Huffman loops run without the
+GIL.
 """
 
 from __future__ import annotations
