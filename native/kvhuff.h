@@ -744,7 +744,7 @@ static inline ptrdiff_t kvh_encode2(const uint8_t *src, size_t n, int rot, uint8
 /* Inverse: decode the high-plane section (len bytes) segment by segment into scratch (seg
  * bytes; raw segments are read in place) and join it with lo into dst (2 * n bytes). */
 static inline int kvh_decode2(const uint8_t *src, size_t len, const uint8_t *lo, uint8_t *dst,
-                       size_t n, int rot, uint8_t *scratch, size_t seg)
+                              size_t n, int rot, uint8_t *scratch, size_t seg)
 {
     size_t nseg, i, off;
     if (seg == 0) return KVH_ERR_ARG;
@@ -756,11 +756,19 @@ static inline int kvh_decode2(const uint8_t *src, size_t len, const uint8_t *lo,
         const uint8_t *p, *hi = scratch;
         size_t sl, a = i * seg, m = n - a < seg ? n - a : seg;
         int r = kvh_segment(src, len, nseg, i, &off, &p, &sl);
-        if (r < 0) return r;
-        if (sl == m + 1 && p[0] == KVH_SEG_RAW) hi = p + 1;
-        else if ((r = kvh_decode_seg(p, sl, scratch, m)) < 0) return r;
-        kvs_join2(lo + a, hi, dst + 2 * a, m, rot);
+        if (r == 0) {
+            if (sl == m + 1 && p[0] == KVH_SEG_RAW) hi = p + 1;
+            else r = kvh_decode_seg(p, sl, scratch, m);
+        }
+        if (r < 0) {
+            kvs_sfence();
+            return r;
+        }
+        /* the output is typically a fresh chunk buffer or a DRAM slot, not in cache:
+         * non-temporal stores skip reading its lines in first */
+        kvs_join2_nt(lo + a, hi, dst + 2 * a, m, rot);
     }
+    kvs_sfence();
     return 0;
 }
 

@@ -64,4 +64,39 @@ static inline void kvs_join2(const uint8_t *lo, const uint8_t *hi, uint8_t *dst,
     }
 }
 
+/* kvs_join2 with non-temporal stores where dst allows (16-byte aligned after an even prefix):
+ * for decoding into a buffer that is not in cache (a fresh chunk buffer, a DRAM slot), where
+ * ordinary stores would first read every line in from memory. Call kvs_sfence() when done. */
+static inline void kvs_join2_nt(const uint8_t *lo, const uint8_t *hi, uint8_t *dst, size_t n, int rot)
+{
+#if KVS_SSE2
+    size_t i = 0, pre;
+    const __m128i l = _mm_cvtsi32_si128(16 - rot), r = _mm_cvtsi32_si128(rot);
+    if (((uintptr_t)dst & 1) != 0) {
+        kvs_join2(lo, hi, dst, n, rot);
+        return;
+    }
+    pre = ((16 - ((uintptr_t)dst & 15)) & 15) / 2;
+    if (pre > n) pre = n;
+    kvs_join2(lo, hi, dst, pre, rot);
+    for (i = pre; i + 16 <= n; i += 16) {
+        __m128i x = _mm_loadu_si128((const __m128i *)(lo + i));
+        __m128i y = _mm_loadu_si128((const __m128i *)(hi + i));
+        __m128i a = _mm_unpacklo_epi8(x, y), b = _mm_unpackhi_epi8(x, y);
+        _mm_stream_si128((__m128i *)(dst + 2 * i), _mm_or_si128(_mm_sll_epi16(a, l), _mm_srl_epi16(a, r)));
+        _mm_stream_si128((__m128i *)(dst + 2 * i + 16), _mm_or_si128(_mm_sll_epi16(b, l), _mm_srl_epi16(b, r)));
+    }
+    kvs_join2(lo + i, hi + i, dst + 2 * i, n - i, rot);
+#else
+    kvs_join2(lo, hi, dst, n, rot);
+#endif
+}
+
+static inline void kvs_sfence(void)
+{
+#if KVS_SSE2
+    _mm_sfence();
+#endif
+}
+
 #endif /* KVSHUFFLE_H */
