@@ -10,7 +10,6 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 
 
-
 def pkg_config(flag: str, package: str = "fuse3", default: str = "") -> list[str]:
     try:
         out = subprocess.run(["pkg-config", flag, package], capture_output=True, text=True,
@@ -23,6 +22,9 @@ def pkg_config(flag: str, package: str = "fuse3", default: str = "") -> list[str
 EXTENSIONS = [
     Extension("kvfs._index", ["native/_index.pyx"], extra_compile_args=["-O3"]),
     Extension("kvfs._shuffle", ["native/_shuffle.pyx"], extra_compile_args=["-O3"]),
+    # Huffman coder of byte planes for codecs 5-7 (kvfs/store/codec.py); headers in native/.
+    Extension("kvfs._huff", ["native/_huff.pyx"], extra_compile_args=["-O3"],
+              depends=["native/kvhuff.h", "native/kvshuffle.h"]),
     # Adds fallocate() to pyfuse3's FUSE session (see the module docstring).
     Extension("kvfs._fuseshim", ["native/_fuseshim.pyx"],
               extra_compile_args=pkg_config("--cflags", default="-I/usr/include/fuse3"),

@@ -10,8 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvfs import _shuffle
+from kvfs import _huff, _shuffle
 from kvfs.store.codec import (
+    CODEC_HUF2,
+    CODEC_HUF2_ROT1,
+    CODEC_HUF4,
     CODEC_NAMES,
     CODEC_RAW,
     CODEC_SHUF2,
@@ -65,32 +68,34 @@ def roundtrip(codec: Codec, raw: bytes, cid: int) -> tuple[int, int]:
 
 @pytest.mark.parametrize("block", [256 * KIB, 2048 * KIB])
 def test_fp16_real_roundtrip_and_ratio(codec: Codec, fp16: bytes, block: int) -> None:
-    assert codec.choose(fp16[:block], None) == CODEC_SHUF2
-    assert codec.choose(fp16[:block], "fp16") == CODEC_SHUF2
-    assert codec.choose(fp16[:block], "2") == CODEC_SHUF2
-    raw_total = stored = 0
-    for off in range(0, len(fp16), block):
-        chunk = fp16[off : off + block]
-        used, size = roundtrip(codec, chunk, CODEC_SHUF2)
-        assert used == CODEC_SHUF2
-        raw_total += len(chunk)
-        stored += size
-    assert raw_total / stored > 1.17  # ZipNN 0.5.4: 1.163
+    assert codec.choose(fp16[:block], None) == CODEC_HUF2
+    assert codec.choose(fp16[:block], "fp16") == CODEC_HUF2
+    assert codec.choose(fp16[:block], "2") == CODEC_HUF2
+    for cid, want in ((CODEC_HUF2, 1.165), (CODEC_SHUF2, 1.17)):  # ZipNN 0.5.4: 1.163
+        raw_total = stored = 0
+        for off in range(0, len(fp16), block):
+            chunk = fp16[off : off + block]
+            used, size = roundtrip(codec, chunk, cid)
+            assert used == cid
+            raw_total += len(chunk)
+            stored += size
+        assert raw_total / stored > want
 
 
 @pytest.mark.parametrize("block", [256 * KIB, 2048 * KIB])
 def test_bf16_real_roundtrip_and_ratio(codec: Codec, bf16: bytes, block: int) -> None:
-    assert codec.choose(bf16[:block], None) == CODEC_SHUF2_ROT1
-    assert codec.choose(bf16[:block], "bf16") == CODEC_SHUF2_ROT1
-    assert codec.choose(bf16[:block], "2") == CODEC_SHUF2_ROT1
-    raw_total = stored = 0
-    for off in range(0, len(bf16), block):
-        chunk = bf16[off : off + block]
-        used, size = roundtrip(codec, chunk, CODEC_SHUF2_ROT1)
-        assert used == CODEC_SHUF2_ROT1
-        raw_total += len(chunk)
-        stored += size
-    assert raw_total / stored > 1.48  # ZipNN 0.5.4: 1.480
+    assert codec.choose(bf16[:block], None) == CODEC_HUF2_ROT1
+    assert codec.choose(bf16[:block], "bf16") == CODEC_HUF2_ROT1
+    assert codec.choose(bf16[:block], "2") == CODEC_HUF2_ROT1
+    for cid in (CODEC_HUF2_ROT1, CODEC_SHUF2_ROT1):
+        raw_total = stored = 0
+        for off in range(0, len(bf16), block):
+            chunk = bf16[off : off + block]
+            used, size = roundtrip(codec, chunk, cid)
+            assert used == cid
+            raw_total += len(chunk)
+            stored += size
+        assert raw_total / stored > 1.48  # ZipNN 0.5.4: 1.480
 
 
 @pytest.mark.parametrize("cid", COMPRESSING)
@@ -105,7 +110,7 @@ def test_numpy_buffers_accepted(codec: Codec, fp16: bytes) -> None:
     arr = np.frombuffer(fp16[: 256 * KIB], dtype=np.float16).reshape(-1, 64)
     cid = codec.choose(memoryview(arr), None)
     used, payload = codec.encode(memoryview(arr), cid)
-    assert used == CODEC_SHUF2
+    assert used == CODEC_HUF2
     assert bytes(codec.decode(used, payload, arr.nbytes)) == arr.tobytes()
 
 
@@ -118,11 +123,13 @@ def test_float32_roundtrip(codec: Codec) -> None:
     upcast = rng.standard_normal(64 * KIB).astype(np.float16).astype(np.float32).tobytes()
     for raw in (native, upcast):
         cid = codec.choose(raw, None)
-        assert cid == CODEC_SHUF4
-        assert codec.choose(raw, "4") == CODEC_SHUF4
-        used, size = roundtrip(codec, raw, cid)
-        assert used == CODEC_SHUF4
-        assert size < 0.9 * len(raw)
+        assert cid == CODEC_HUF4
+        assert codec.choose(raw, "4") == CODEC_HUF4
+        assert codec.choose(raw, "fp32") == CODEC_HUF4
+        for c in (cid, CODEC_SHUF4):
+            used, size = roundtrip(codec, raw, c)
+            assert used == c
+            assert size < 0.9 * len(raw)
     for cid in ALL_CODECS:
         roundtrip(codec, native[:100_003], cid)
 
@@ -140,7 +147,7 @@ def test_random_is_raw_cheaply(codec: Codec) -> None:
 
 def test_zeros(codec: Codec) -> None:
     raw = bytes(2048 * KIB)
-    assert codec.choose(raw, None) == CODEC_SHUF2  # a zero first chunk must not decide zstd
+    assert codec.choose(raw, None) == CODEC_HUF2  # a zero first chunk must not decide zstd
     for cid in COMPRESSING:
         used, size = roundtrip(codec, raw, cid)
         assert used == cid
@@ -176,10 +183,12 @@ def test_hints(codec: Codec, fp16: bytes) -> None:
     sample = fp16[: 64 * KIB]
     assert codec.choose(sample, "raw") == CODEC_RAW
     assert codec.choose(sample, "RAW") == CODEC_RAW
-    assert codec.choose(sample, "bf16") == CODEC_SHUF2_ROT1  # the hint wins over detection
+    assert codec.choose(sample, "bf16") == CODEC_HUF2_ROT1  # the hint wins over detection
     assert codec.choose(sample, "1") == CODEC_ZSTD
     assert codec.choose(sample, "8") == CODEC_ZSTD  # no 8-byte shuffle: plain zstd
-    assert codec.choose(sample, "no-such-dtype") == CODEC_SHUF2  # unknown: detect
+    assert codec.choose(sample, "no-such-dtype") == CODEC_HUF2  # unknown: detect
+    assert codec.choose(sample, "fp16") == CODEC_HUF2
+    assert codec.choose(sample[:10], "fp16") == CODEC_HUF2  # too small to judge: the hint
     assert Codec(CodecPolicy(enabled=False)).choose(sample, "fp16") == CODEC_RAW
 
 
@@ -197,9 +206,22 @@ def test_min_saving_fallback(fp16: bytes) -> None:
 
 
 def test_policy_variants_decode_with_default(fp16: bytes, bf16: bytes) -> None:
-    for policy in (CodecPolicy(level=3), CodecPolicy(segment_log2=12), CodecPolicy(hash_log=16)):
+    policies = (
+        CodecPolicy(level=3),
+        CodecPolicy(segment_log2=12),
+        CodecPolicy(segment_log2=10),
+        CodecPolicy(segment_log2=17),
+        CodecPolicy(hash_log=16),
+        CodecPolicy(huff_bits=8),
+        CodecPolicy(huff_bits=12),
+        CodecPolicy(huff_seg_min_saving=0.1),
+    )
+    cases = [(fp16[: 300 * KIB], CODEC_SHUF2), (bf16[: 300 * KIB], CODEC_SHUF2_ROT1)]
+    cases += [(fp16[: 300 * KIB], CODEC_HUF2), (bf16[: 300 * KIB], CODEC_HUF2_ROT1)]
+    cases += [(fp16[: 300 * KIB], CODEC_HUF4)]
+    for policy in policies:
         enc = Codec(policy)
-        for raw, cid in ((fp16[: 300 * KIB], CODEC_SHUF2), (bf16[: 300 * KIB], CODEC_SHUF2_ROT1)):
+        for raw, cid in cases:
             used, payload = enc.encode(raw, cid)
             assert used == cid
             assert bytes(Codec().decode(used, payload, len(raw))) == raw
@@ -247,7 +269,7 @@ def test_corrupt_payload_raises(codec: Codec, fp16: bytes) -> None:
 
 
 def test_unknown_codec_id_raises(codec: Codec) -> None:
-    for cid in (5, 99, 255, -1):
+    for cid in (8, 99, 255, -1):
         with pytest.raises(CodecError):
             codec.decode(cid, b"\0" * 64, 64)
     with pytest.raises(CodecError):
@@ -280,7 +302,12 @@ def test_thread_safety(fp16: bytes, bf16: bytes) -> None:
     codec = Codec()
     chunks = [
         (d[off : off + 256 * KIB], cid)
-        for d, cid in ((fp16, CODEC_SHUF2), (bf16, CODEC_SHUF2_ROT1))
+        for d, cid in (
+            (fp16, CODEC_SHUF2),
+            (bf16, CODEC_SHUF2_ROT1),
+            (fp16, CODEC_HUF2),
+            (bf16, CODEC_HUF2_ROT1),
+        )
         for off in range(0, 8 * 256 * KIB, 256 * KIB)
     ]
     seen: set[int] = set()
@@ -291,7 +318,11 @@ def test_thread_safety(fp16: bytes, bf16: bytes) -> None:
         ok = True
         for _ in range(3):
             used, payload = codec.encode(raw, cid)
+            ok &= used == cid
             ok &= bytes(codec.decode(used, payload, len(raw))) == raw
+            out = bytearray(len(raw))
+            codec.decode_into(used, payload, len(raw), out)
+            ok &= out == raw
         return ok
 
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -410,3 +441,205 @@ def test_empty_bytearray() -> None:
     assert len(_shuffle.empty_bytearray(12345)) == 12345
     with pytest.raises(ValueError):
         _shuffle.empty_bytearray(-1)
+
+
+# ---------------------------------------------------------------- old records, decode_into
+
+
+GOLDEN = Path(__file__).resolve().parent / "data" / "codec_golden_v1.npz"
+
+
+def test_old_payloads_still_decode() -> None:
+    # payloads written by the codec before ids 5-7 existed (segment_log2=10, so several frames)
+    g = np.load(GOLDEN)
+    codec = Codec()
+    for name in ("fp16", "bf16"):
+        raw = g[f"raw_{name}"].tobytes()
+        for cid in (CODEC_ZSTD, CODEC_SHUF2, CODEC_SHUF2_ROT1, CODEC_SHUF4):
+            payload = g[f"p_{name}_{cid}"].tobytes()
+            assert bytes(codec.decode(cid, payload, len(raw))) == raw
+            out = bytearray(len(raw))
+            codec.decode_into(cid, payload, len(raw), out)
+            assert out == raw
+            with pytest.raises(CodecError):
+                codec.decode(CODEC_HUF2, payload, len(raw))
+
+
+@pytest.mark.parametrize("cid", ALL_CODECS)
+def test_decode_into(codec: Codec, fp16: bytes, bf16: bytes, cid: int) -> None:
+    for raw in (fp16[: 256 * KIB + 1], bf16[100_000:165_537], bytes(4097), b"\x01"):
+        used, payload = codec.encode(raw, cid)
+        out = bytearray(b"\xee" * len(raw))
+        codec.decode_into(used, payload, len(raw), out)
+        assert out == raw
+        arr = np.full(len(raw), 0xEE, np.uint8)  # any writable buffer, e.g. a numpy array
+        codec.decode_into(used, payload, len(raw), arr)
+        assert arr.tobytes() == raw
+        for bad_out in (bytearray(len(raw) + 1), bytearray(len(raw) - 1), bytes(len(raw))):
+            with pytest.raises(CodecError):
+                codec.decode_into(used, payload, len(raw), bad_out)
+
+
+@pytest.mark.parametrize("cid", [CODEC_HUF2, CODEC_HUF2_ROT1, CODEC_HUF4])
+@pytest.mark.parametrize("seg_log2", [10, 16])
+def test_huf_segment_boundaries(fp16: bytes, cid: int, seg_log2: int) -> None:
+    codec = Codec(CodecPolicy(segment_log2=seg_log2))
+    k = 4 if cid == CODEC_HUF4 else 2
+    seg = 1 << seg_log2
+    base = fp16[1_000_000:]
+    for planes in (seg - 1, seg, seg + 1, 2 * seg, 3 * seg + 5):
+        for extra in (0, 1, k - 1):
+            raw = base[: planes * k + extra]
+            used, size = roundtrip(codec, raw, cid)
+            assert used == cid
+
+
+@pytest.mark.parametrize("cid", [CODEC_HUF2, CODEC_HUF2_ROT1, CODEC_HUF4])
+def test_huf_big_and_constant(codec: Codec, fp16: bytes, cid: int) -> None:
+    big = fp16[: 4 * 1024 * KIB]
+    used, size = roundtrip(codec, big, cid)
+    assert used == cid and size < 0.9 * len(big)
+    for const in (bytes(1024 * KIB), b"\x3c" * (1024 * KIB + 3), b"\x12\x34" * 40_000):
+        used, size = roundtrip(codec, const, cid)
+        assert used == cid and size < 1024
+    # the constant mode switching on and off between segments
+    mixed = bytes(64 * KIB) + fp16[: 128 * KIB] + b"\x55" * (200 * KIB) + fp16[-70_001:]
+    used, _ = roundtrip(codec, mixed, cid)
+    assert used == cid
+
+
+def test_huf_low_plane_modes(codec: Codec) -> None:
+    # a skewed low plane is Huffman-coded too, a repetitive one LZ-coded
+    rng = np.random.default_rng(1)
+    hi = rng.geometric(0.3, 300_000).clip(0, 255).astype(np.uint16) << 8
+    lo_skewed = rng.geometric(0.2, 300_000).clip(0, 255).astype(np.uint16)
+    lo_rep = np.tile(rng.integers(0, 256, 1000, dtype=np.uint16), 300)
+    for lo in (lo_skewed, lo_rep):
+        raw = (hi | lo).astype("<u2").tobytes()
+        used, size = roundtrip(codec, raw, CODEC_HUF2)
+        assert used == CODEC_HUF2
+        assert size < 0.6 * len(raw)
+
+
+def test_choose_prefers_huffman_but_keeps_old_where_it_wins(codec: Codec) -> None:
+    # long repeats of high bytes: only LZ (the zstd planes of codec 2) finds them
+    rng = np.random.default_rng(2)
+    rows = rng.standard_normal(4096).astype(np.float16).tobytes() * 16
+    cid = codec.choose(rows, None)
+    assert cid not in (CODEC_HUF2, CODEC_RAW)
+    _, huf_size = roundtrip(codec, rows, CODEC_HUF2)
+    used, size = roundtrip(codec, rows, cid)
+    assert used == cid and size < 0.5 * huf_size
+    noisy = rng.standard_normal(64 * KIB // 2).astype(np.float16).tobytes()
+    assert codec.choose(noisy, None) == CODEC_HUF2
+
+
+# ---------------------------------------------------------------- the Huffman extension
+
+
+def _hplanes() -> list[bytes]:
+    rng = np.random.default_rng(9)
+    fib = [1, 1]
+    while sum(fib) < 60_000:
+        fib.append(fib[-1] + fib[-2])
+    deep = np.repeat(np.arange(len(fib), dtype=np.uint8), fib)  # depth > 11: length limiting
+    rng.shuffle(deep)
+    return [
+        b"",
+        b"\x07",
+        b"\x00\x01",
+        b"ab" * 5,
+        bytes(range(256)) * 300,  # all symbols, flat
+        rng.geometric(0.05, 200_000).clip(0, 255).astype(np.uint8).tobytes(),
+        rng.integers(0, 2, 70_000, dtype=np.uint8).tobytes(),  # two symbols
+        deep.tobytes(),
+        os.urandom(100_000),  # raw segments
+        bytes(65_536) + b"\x01" + bytes(65_535),  # constant, then two symbols
+    ]
+
+
+@pytest.mark.parametrize("seg_log2", [10, 16])
+@pytest.mark.parametrize("bits", [8, 11, 12])
+def test_huff_plane_roundtrip(seg_log2: int, bits: int) -> None:
+    for plane in _hplanes():
+        dst = bytearray(_huff.plane_bound(len(plane), seg_log2))
+        ln = _huff.encode_plane(plane, dst, seg_log2, bits, 0)
+        assert ln <= len(dst)
+        back = bytearray(len(plane))
+        _huff.decode_plane(memoryview(dst)[:ln], back, seg_log2)
+        assert back == plane
+        if len(plane) > 1000 and len(set(plane[:1000])) < 200:
+            assert ln < len(plane)
+        est = _huff.estimate(plane[: 1 << seg_log2], bits)
+        assert est >= 0
+
+
+@pytest.mark.parametrize("rot", [0, 1])
+@pytest.mark.parametrize("length", [0, 1, 2, 3, 1023 * 2, 1024 * 2, 1025 * 2 + 1, 300_001])
+def test_huff_encode2_decode2(fp16: bytes, rot: int, length: int) -> None:
+    src = fp16[500_000 : 500_000 + length]
+    n = length // 2
+    lo = bytearray(n)
+    dst = bytearray(_huff.plane_bound(n, 10))
+    scratch = bytearray(1024)
+    ln = _huff.encode2(src, lo, dst, scratch, rot, 10, 11, 0)
+    ref = _rot16(np.frombuffer(src[: 2 * n], dtype="<u2"), rot)
+    assert bytes(lo) == (ref & 0xFF).astype(np.uint8).tobytes()
+    hi = bytearray(n)
+    _huff.decode_plane(memoryview(dst)[:ln], hi, 10)
+    assert bytes(hi) == (ref >> 8).astype(np.uint8).tobytes()
+    out = bytearray(b"\xaa" * length)
+    _huff.decode2(memoryview(dst)[:ln], lo, out, scratch, rot, 10)
+    assert bytes(out[: 2 * n]) == src[: 2 * n]
+    assert out[2 * n :] == b"\xaa" * (length - 2 * n)
+
+
+def test_huff_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        _huff.encode_plane(b"abc", bytearray(3), 10)  # dst too small
+    with pytest.raises(ValueError):
+        _huff.encode_plane(b"abc", bytearray(100), 9)  # segment too small
+    with pytest.raises(ValueError):
+        _huff.encode_plane(b"abc", bytearray(100), 10, 13)  # codes too long
+    with pytest.raises(ValueError):
+        _huff.encode2(b"abcd", bytearray(2), bytearray(100), bytearray(10), 0, 10)  # scratch
+    with pytest.raises(ValueError):
+        _huff.decode2(b"", bytearray(1), bytearray(4), bytearray(1024), 0, 10)  # lo too small
+    with pytest.raises((ValueError, BufferError)):
+        _huff.encode_plane(b"abc", bytes(100), 10)  # read-only output
+    with pytest.raises(_huff.HuffError):
+        _huff.decode_plane(b"x", bytearray(0), 10)
+    with pytest.raises(_huff.HuffError):
+        _huff.decode_plane(b"", bytearray(10), 10)
+
+
+def test_huff_decoder_survives_garbage(fp16: bytes) -> None:
+    """Corrupt sections (no checksum at this level): an error or some output, never a crash and
+    never a write outside the buffer (the guard bytes around the output stay intact)."""
+    rng = np.random.default_rng(4)
+    sections = []
+    for plane in _hplanes()[4:] + [fp16[1::2][:150_000]]:
+        dst = bytearray(_huff.plane_bound(len(plane), 10))
+        ln = _huff.encode_plane(plane, dst, 10, 11, 0)
+        sections.append((bytes(dst[:ln]), len(plane)))
+    guard = b"\x5a" * 64
+    errors = 0
+    for sec, n in sections:
+        trials = []
+        for _ in range(150):
+            bad = bytearray(sec)
+            for pos in rng.integers(0, len(bad), int(rng.integers(1, 4))):
+                bad[pos] = int(rng.integers(0, 256))
+            trials.append(bytes(bad))
+        trials += [sec[:cut] for cut in (0, 1, 4, 5, len(sec) // 2, len(sec) - 1)]
+        trials += [sec + b"\0", rng.bytes(len(sec)), bytes(len(sec))]
+        for bad in trials:
+            for out_n in (n, n - 1, n + 1):
+                buf = bytearray(guard + bytes(out_n) + guard)
+                view = memoryview(buf)[64 : 64 + out_n]
+                try:
+                    _huff.decode_plane(bad, view, 10)
+                except _huff.HuffError:
+                    errors += 1
+                assert buf[:64] == guard and buf[-64:] == guard
+    assert errors > 0

@@ -1,0 +1,794 @@
+/* kvhuff.h: a fast canonical Huffman coder for byte planes (header-only, used by native/_huff.pyx).
+ *
+ * Built for the sign/exponent plane of fp16/bf16 KV-cache tensors: a skewed, slowly drifting byte
+ * distribution with no useful repeats, where an order-0 entropy coder is all that pays. A plane is
+ * cut into segments (64 KiB by default) with their own code, so the statistics follow the data.
+ *
+ * Plane section (all integers little-endian):
+ *     u32 * nseg            byte length of each segment, nseg = ceil(n / seg)
+ *     segments back to back, each starting with a kind byte:
+ *       0 RAW    the segment's bytes as is
+ *       1 CONST  one byte: every byte of the segment has this value
+ *       2 HUF    u8 maxlen (1..KVH_MAX_LOG), u8 first, u8 last: the symbols that may occur;
+ *                ceil((last - first + 1) / 2) bytes of 4-bit code lengths of symbols first..last
+ *                (low nibble first, 0 = absent; they must form a complete prefix code);
+ *                u32 * 3 byte lengths of streams 0..2; streams 0..3 (stream 3 takes the rest).
+ *                Stream j codes quarter j of the segment (q = m / 4 symbols each, the last quarter
+ *                also the m % 4 left over), so the decoder runs 4 independent dependency chains.
+ *                Codes are canonical (shorter codes first, ties by symbol value) and written
+ *                least significant bit first, each code's first bit lowest; a stream is padded
+ *                with zero bits to a whole byte and must be consumed exactly.
+ *
+ * The decoder never reads or writes outside the buffers it is given, whatever the input: every
+ * length is checked, the code must be complete (so every table entry is a valid symbol), and
+ * the fast loop only runs while 8 bytes of input are left. Errors are negative return codes.
+ */
+#ifndef KVHUFF_H
+#define KVHUFF_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvshuffle.h"
+
+#define KVH_MAX_LOG 12 /* longest code the decoder accepts (4-bit lengths could say 15) */
+#define KVH_DEFAULT_LOG 11
+#define KVH_SLACK 16 /* the encoder may store up to this many bytes past its output */
+
+#define KVH_ERR_CORRUPT (-1)
+#define KVH_ERR_SPACE (-2)
+#define KVH_ERR_ARG (-3)
+
+enum { KVH_SEG_RAW = 0, KVH_SEG_CONST = 1, KVH_SEG_HUF = 2 };
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#define KVH_LE64(x) __builtin_bswap64(x)
+#define KVH_LE32(x) __builtin_bswap32(x)
+#else
+#define KVH_LE64(x) (x)
+#define KVH_LE32(x) (x)
+#endif
+
+static inline uint64_t kvh_load64(const uint8_t *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return KVH_LE64(v);
+}
+
+static inline void kvh_store64(uint8_t *p, uint64_t v)
+{
+    v = KVH_LE64(v);
+    memcpy(p, &v, 8);
+}
+
+static inline uint32_t kvh_load32(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return KVH_LE32(v);
+}
+
+static inline void kvh_store32(uint8_t *p, uint32_t v)
+{
+    v = KVH_LE32(v);
+    memcpy(p, &v, 4);
+}
+
+/* Worst-case section size for a plane of n bytes in segments of seg bytes (every segment raw),
+ * plus the slack the encoder may scribble past its end. */
+static inline size_t kvh_plane_bound(size_t n, size_t seg)
+{
+    size_t nseg = seg ? (n + seg - 1) / seg : 0;
+    return 5 * nseg + n + KVH_SLACK;
+}
+
+/* ------------------------------------------------------------------ code construction */
+
+/* Sort 64-bit keys ascending (n <= 256): bottom-up merge sort, no recursion. */
+static inline void kvh_sort64(uint64_t *a, int n)
+{
+    uint64_t tmp[256];
+    uint64_t *src = a, *dst = tmp;
+    int width, i;
+    for (width = 1; width < n; width *= 2) {
+        for (i = 0; i < n; i += 2 * width) {
+            int l = i, m = i + width < n ? i + width : n, r = i + 2 * width < n ? i + 2 * width : n;
+            int p = l, q = m, k = l;
+            while (p < m && q < r) dst[k++] = src[p] <= src[q] ? src[p++] : src[q++];
+            while (p < m) dst[k++] = src[p++];
+            while (q < r) dst[k++] = src[q++];
+        }
+        { uint64_t *t = src; src = dst; dst = t; }
+    }
+    if (src != a) memcpy(a, src, (size_t)n * sizeof *a);
+}
+
+/* Code lengths (<= maxbits) of a Huffman code for freq; needs >= 2 used symbols and
+ * 2^maxbits >= their number. Returns the longest length. */
+static inline int kvh_build_lengths(const uint32_t *freq, int maxbits, uint8_t *len)
+{
+    uint64_t key[256], weight[512];
+    uint16_t parent[512];
+    uint8_t depth[512];
+    uint32_t cnt[512];
+    int n = 0, i, li, ii, next, maxd = 0, d, k;
+
+    memset(len, 0, 256);
+    for (i = 0; i < 256; i++)
+        if (freq[i]) key[n++] = ((uint64_t)freq[i] << 8) | (uint64_t)i;
+    if (n < 2) return 0; /* callers code 1 symbol as CONST */
+    kvh_sort64(key, n);
+    for (i = 0; i < n; i++) weight[i] = key[i] >> 8;
+    /* two-queue Huffman: leaves in ascending order, internal nodes are created in ascending order */
+    li = 0;
+    ii = n;
+    for (next = n; next < 2 * n - 1; next++) {
+        int pick[2], t;
+        for (t = 0; t < 2; t++) {
+            if (li < n && (ii >= next || weight[li] <= weight[ii])) pick[t] = li++;
+            else pick[t] = ii++;
+        }
+        weight[next] = weight[pick[0]] + weight[pick[1]];
+        parent[pick[0]] = parent[pick[1]] = (uint16_t)next;
+    }
+    depth[2 * n - 2] = 0;
+    memset(cnt, 0, sizeof cnt);
+    for (i = 2 * n - 3; i >= 0; i--) {
+        depth[i] = (uint8_t)(depth[parent[i]] + 1);
+        if (i < n) {
+            cnt[depth[i]]++;
+            if (depth[i] > maxd) maxd = depth[i];
+        }
+    }
+    /* limit to maxbits keeping the Kraft sum at exactly 1 (the JPEG Annex K.3 adjustment) */
+    for (d = maxd; d > maxbits; d--) {
+        while (cnt[d] > 0) {
+            int j = d - 2;
+            while (cnt[j] == 0) j--;
+            cnt[d] -= 2;
+            cnt[d - 1] += 1;
+            cnt[j + 1] += 2;
+            cnt[j] -= 1;
+        }
+    }
+    if (maxd > maxbits) maxd = maxbits;
+    /* most frequent symbols (end of the sorted leaves) get the shortest codes */
+    k = n - 1;
+    for (d = 1; d <= maxd; d++) {
+        uint32_t c;
+        for (c = 0; c < cnt[d]; c++) len[key[k--] & 0xff] = (uint8_t)d;
+    }
+    while (maxd > 1 && cnt[maxd] == 0) maxd--;
+    return maxd;
+}
+
+static inline uint32_t kvh_reverse(uint32_t code, int bits)
+{
+    uint32_t r = 0;
+    int i;
+    for (i = 0; i < bits; i++) {
+        r = (r << 1) | (code & 1);
+        code >>= 1;
+    }
+    return r;
+}
+
+/* Canonical codes from lengths: ct[s] = bit-reversed code | length << 16 (0 if absent). */
+static inline void kvh_canonical(const uint8_t *len, uint32_t *ct)
+{
+    uint32_t count[KVH_MAX_LOG + 2] = {0}, next[KVH_MAX_LOG + 2];
+    uint32_t code = 0;
+    int s, l;
+    for (s = 0; s < 256; s++) count[len[s]]++;
+    count[0] = 0;
+    for (l = 1; l <= KVH_MAX_LOG; l++) {
+        code = (code + count[l - 1]) << 1;
+        next[l] = code;
+    }
+    for (s = 0; s < 256; s++) {
+        l = len[s];
+        ct[s] = l ? (kvh_reverse(next[l]++, l) | ((uint32_t)l << 16)) : 0;
+    }
+}
+
+/* ------------------------------------------------------------------ encoder */
+
+/* Counts of each quarter of a segment of m bytes (quarter 3 also gets the m % 4 left over).
+ * Two tables per quarter (even/odd positions): runs of one symbol, common in exponent planes,
+ * would otherwise serialise on one counter. */
+static inline void kvh_hist4(const uint8_t *src, size_t m, uint32_t h[4][256])
+{
+    uint32_t g[4][256];
+    size_t q = m / 4, i;
+    int s;
+    const uint8_t *a = src, *b = src + q, *c = src + 2 * q, *d = src + 3 * q;
+    memset(h, 0, 4 * 256 * sizeof(uint32_t));
+    memset(g, 0, sizeof g);
+    for (i = 0; i + 2 <= q; i += 2) {
+        h[0][a[i]]++;
+        h[1][b[i]]++;
+        h[2][c[i]]++;
+        h[3][d[i]]++;
+        g[0][a[i + 1]]++;
+        g[1][b[i + 1]]++;
+        g[2][c[i + 1]]++;
+        g[3][d[i + 1]]++;
+    }
+    for (; i < q; i++) {
+        h[0][a[i]]++;
+        h[1][b[i]]++;
+        h[2][c[i]]++;
+        h[3][d[i]]++;
+    }
+    for (i = 4 * q; i < m; i++) h[3][src[i]]++;
+    for (s = 0; s < 256; s++) {
+        h[0][s] += g[0][s];
+        h[1][s] += g[1][s];
+        h[2][s] += g[2][s];
+        h[3][s] += g[3][s];
+    }
+}
+
+/* Code m symbols of x into exactly [out, end) (its size computed from the counts). One stream at a
+ * time: the encoder is bound by instruction throughput, not latency, so interleaving streams
+ * would only add register spills. State lives in locals, which the byte stores cannot alias.
+ * Returns 0, or -1 if the stream would not end exactly at end. */
+static inline int kvh_encode_stream(const uint8_t *x, size_t m, const uint16_t *code,
+                                    const uint8_t *clen, uint8_t *out, uint8_t *end)
+{
+    uint64_t acc = 0;
+    unsigned nb = 0;
+    size_t i = 0;
+    /* 4 codes (<= 48 bits) + < 8 pending bits fit in the accumulator; the flush stores 8 bytes,
+     * so the fast loop stops 8 bytes before the end of this stream */
+    for (; i + 4 <= m && out + 8 <= end; i += 4) {
+        const uint8_t *y = x + i;
+        acc |= (uint64_t)code[y[0]] << nb;
+        nb += clen[y[0]];
+        acc |= (uint64_t)code[y[1]] << nb;
+        nb += clen[y[1]];
+        acc |= (uint64_t)code[y[2]] << nb;
+        nb += clen[y[2]];
+        acc |= (uint64_t)code[y[3]] << nb;
+        nb += clen[y[3]];
+        kvh_store64(out, acc);
+        out += nb >> 3;
+        acc >>= nb & ~7u;
+        nb &= 7u;
+    }
+    for (; i < m; i++) {
+        acc |= (uint64_t)code[x[i]] << nb;
+        nb += clen[x[i]];
+        while (nb >= 8) {
+            if (out >= end) return -1;
+            *out++ = (uint8_t)acc;
+            acc >>= 8;
+            nb -= 8;
+        }
+    }
+    if (nb) {
+        if (out >= end) return -1;
+        *out++ = (uint8_t)acc;
+    }
+    return out == end ? 0 : -1;
+}
+
+/* Pair table for the encoder: entry [s1 | s2 << 8] = the codes of s1 then s2 (<= 24 bits) |
+ * their total length << 24, filled for the used symbols only (the rest is never read). Halves
+ * the work per symbol of the coding loop; filling costs used^2 entries, so it is only used
+ * when few symbols occur: the bf16 exponent plane (~20 per 64 KiB segment) codes 15% faster,
+ * fp16's high byte (~130) 20% slower (measured). */
+#define KVH_PAIR_ENTRIES 65536
+#define KVH_PAIR_MAX_USED 64
+
+static inline void kvh_fill_pairs(uint32_t *pt, const uint8_t *used_syms, int used,
+                                  const uint16_t *code, const uint8_t *clen)
+{
+    int a, b;
+    for (a = 0; a < used; a++) {
+        unsigned s1 = used_syms[a], l1 = clen[s1];
+        uint32_t c1 = code[s1];
+        for (b = 0; b < used; b++) {
+            unsigned s2 = used_syms[b];
+            pt[s1 | s2 << 8] = (c1 | (uint32_t)code[s2] << l1) | (l1 + clen[s2]) << 24;
+        }
+    }
+}
+
+/* kvh_encode_stream with the pair table: 2 lookups (<= 48 bits) per flush. */
+static inline int kvh_encode_stream2(const uint8_t *x, size_t m, const uint32_t *pt,
+                                     const uint16_t *code, const uint8_t *clen, uint8_t *out,
+                                     uint8_t *end)
+{
+    uint64_t acc = 0;
+    unsigned nb = 0;
+    size_t i = 0;
+    for (; i + 4 <= m && out + 8 <= end; i += 4) {
+        const uint8_t *y = x + i;
+        uint32_t e0 = pt[y[0] | (unsigned)y[1] << 8], e1 = pt[y[2] | (unsigned)y[3] << 8];
+        acc |= (uint64_t)(e0 & 0xffffffu) << nb;
+        nb += e0 >> 24;
+        acc |= (uint64_t)(e1 & 0xffffffu) << nb;
+        nb += e1 >> 24;
+        kvh_store64(out, acc);
+        out += nb >> 3;
+        acc >>= nb & ~7u;
+        nb &= 7u;
+    }
+    for (; i < m; i++) {
+        acc |= (uint64_t)code[x[i]] << nb;
+        nb += clen[x[i]];
+        while (nb >= 8) {
+            if (out >= end) return -1;
+            *out++ = (uint8_t)acc;
+            acc >>= 8;
+            nb -= 8;
+        }
+    }
+    if (nb) {
+        if (out >= end) return -1;
+        *out++ = (uint8_t)acc;
+    }
+    return out == end ? 0 : -1;
+}
+
+/* Encode one segment of m bytes into dst (room for cap bytes). A Huffman segment is only written
+ * when it is at most m - min_gain bytes, else the segment is stored raw (1 + m bytes).
+ * Returns the segment's length, or KVH_ERR_SPACE. */
+static inline ptrdiff_t kvh_encode_seg(const uint8_t *src, size_t m, uint8_t *dst, size_t cap,
+                                       int maxbits, size_t min_gain, uint32_t *pairs)
+{
+    uint32_t h[4][256], freq[256], ct[256];
+    uint8_t len[256];
+    uint64_t qbits[4] = {0, 0, 0, 0};
+    size_t qbytes[4], hdr, total, q = m / 4, qn[4];
+    int first = -1, last = -1, used = 0, s, j, maxlen;
+    uint8_t *p;
+    uint8_t *start[4], *end[4];
+    const uint8_t *in[4];
+
+    if (m == 0) return 0;
+    kvh_hist4(src, m, h);
+    for (s = 0; s < 256; s++) {
+        freq[s] = h[0][s] + h[1][s] + h[2][s] + h[3][s];
+        if (freq[s]) {
+            if (first < 0) first = s;
+            last = s;
+            used++;
+        }
+    }
+    if (used == 1) {
+        if (cap < 2) return KVH_ERR_SPACE;
+        dst[0] = KVH_SEG_CONST;
+        dst[1] = (uint8_t)first;
+        return 2;
+    }
+    maxlen = kvh_build_lengths(freq, maxbits, len);
+    kvh_canonical(len, ct);
+    total = 0;
+    for (j = 0; j < 4; j++) {
+        for (s = first; s <= last; s++) qbits[j] += (uint64_t)h[j][s] * len[s];
+        qbytes[j] = (size_t)((qbits[j] + 7) / 8);
+        total += qbytes[j];
+    }
+    hdr = 4 + (size_t)(last - first + 2) / 2 + 12;
+    if (hdr + total + min_gain > m) {
+        if (cap < m + 1) return KVH_ERR_SPACE;
+        dst[0] = KVH_SEG_RAW;
+        memcpy(dst + 1, src, m);
+        return (ptrdiff_t)(m + 1);
+    }
+    if (cap < hdr + total + KVH_SLACK) return KVH_ERR_SPACE;
+    p = dst;
+    *p++ = KVH_SEG_HUF;
+    *p++ = (uint8_t)maxlen;
+    *p++ = (uint8_t)first;
+    *p++ = (uint8_t)last;
+    for (s = first; s <= last; s += 2) *p++ = (uint8_t)(len[s] | (s + 1 <= last ? len[s + 1] << 4 : 0));
+    for (j = 0; j < 3; j++) {
+        kvh_store32(p, (uint32_t)qbytes[j]);
+        p += 4;
+    }
+    qn[0] = qn[1] = qn[2] = q;
+    qn[3] = m - 3 * q;
+    for (j = 0; j < 4; j++) {
+        start[j] = p;
+        p += qbytes[j];
+        end[j] = p;
+        in[j] = src + j * q;
+    }
+    {
+        uint16_t code[256];
+        uint8_t clen[256];
+        for (s = 0; s < 256; s++) {
+            code[s] = (uint16_t)ct[s];
+            clen[s] = (uint8_t)(ct[s] >> 16);
+        }
+        if (pairs != NULL && used <= KVH_PAIR_MAX_USED) {
+            uint8_t used_syms[256];
+            int u = 0;
+            for (s = first; s <= last; s++)
+                if (freq[s]) used_syms[u++] = (uint8_t)s;
+            kvh_fill_pairs(pairs, used_syms, u, code, clen);
+            for (j = 0; j < 4; j++)
+                if (kvh_encode_stream2(in[j], qn[j], pairs, code, clen, start[j], end[j]) < 0)
+                    return KVH_ERR_SPACE;
+        } else {
+            for (j = 0; j < 4; j++)
+                if (kvh_encode_stream(in[j], qn[j], code, clen, start[j], end[j]) < 0)
+                    return KVH_ERR_SPACE;
+        }
+    }
+    return (ptrdiff_t)(p - dst);
+}
+
+/* Encode a plane of n bytes in segments of seg bytes into dst (cap >= kvh_plane_bound(n, seg)).
+ * Returns the section length (without slack) or a negative error. */
+static inline ptrdiff_t kvh_encode_plane(const uint8_t *src, size_t n, size_t seg, uint8_t *dst,
+                                         size_t cap, int maxbits, size_t min_gain)
+{
+    size_t nseg, i, pos;
+    uint32_t *pairs;
+    if (seg == 0 || maxbits < 8 || maxbits > KVH_MAX_LOG) return KVH_ERR_ARG;
+    if (cap < kvh_plane_bound(n, seg)) return KVH_ERR_SPACE;
+    nseg = (n + seg - 1) / seg;
+    pos = 4 * nseg;
+    /* the pair table is an optimisation only: without memory, code symbol by symbol */
+    pairs = (uint32_t *)malloc(KVH_PAIR_ENTRIES * sizeof(uint32_t));
+    for (i = 0; i < nseg; i++) {
+        size_t a = i * seg, m = n - a < seg ? n - a : seg;
+        ptrdiff_t r = kvh_encode_seg(src + a, m, dst + pos, cap - pos, maxbits, min_gain, pairs);
+        if (r < 0) {
+            free(pairs);
+            return r;
+        }
+        kvh_store32(dst + 4 * i, (uint32_t)r);
+        pos += (size_t)r;
+    }
+    free(pairs);
+    return (ptrdiff_t)pos;
+}
+
+/* ------------------------------------------------------------------ decoder */
+
+/* Decode tables indexed by the next maxlen bits of a stream. sym/len: the first symbol and its
+ * code length. sy2/nb2/ns2: one or two symbols (ns2 of them) whose codes both fit in the window,
+ * and their total length, so the fast loop mostly emits two symbols per lookup. Separate arrays
+ * rather than packed entries: no unpacking instructions in the hot loop. */
+typedef struct {
+    uint8_t sym[1 << KVH_MAX_LOG];
+    uint8_t len[1 << KVH_MAX_LOG];
+    uint16_t sy2[1 << KVH_MAX_LOG];
+    uint8_t nb2[1 << KVH_MAX_LOG];
+    uint8_t ns2[1 << KVH_MAX_LOG];
+    int log;
+} kvh_dtable;
+
+/* Fill the pair tables from sym/len: the second code is the one the bits after the first
+ * code start with; it counts only if it lies entirely inside the window. */
+static inline void kvh_build_pairs(kvh_dtable *dt)
+{
+    const unsigned L = (unsigned)dt->log, size = 1u << L;
+    unsigned x;
+    for (x = 0; x < size; x++) {
+        unsigned l1 = dt->len[x], r = x >> l1, l2 = dt->len[r];
+        int two = l1 + l2 <= L;
+        dt->sy2[x] = (uint16_t)(dt->sym[x] | (dt->sym[r] << 8));
+        dt->nb2[x] = (uint8_t)(two ? l1 + l2 : l1);
+        dt->ns2[x] = (uint8_t)(1 + two);
+    }
+}
+
+/* Parse a HUF segment's code description at p (avail bytes). Returns bytes used or -1. */
+static inline ptrdiff_t kvh_read_table(const uint8_t *p, size_t avail, kvh_dtable *dt)
+{
+    uint8_t len[256];
+    uint32_t count[KVH_MAX_LOG + 1] = {0}, next[KVH_MAX_LOG + 1];
+    uint32_t code = 0, kraft = 0;
+    int maxlen, first, last, s, l, used = 0;
+    size_t nb;
+
+    if (avail < 3) return -1;
+    maxlen = p[0];
+    first = p[1];
+    last = p[2];
+    if (maxlen < 1 || maxlen > KVH_MAX_LOG || last < first) return -1;
+    nb = (size_t)(last - first + 2) / 2;
+    if (avail < 3 + nb) return -1;
+    memset(len, 0, sizeof len);
+    for (s = first; s <= last; s++) {
+        uint8_t b = p[3 + (s - first) / 2];
+        l = ((s - first) & 1) ? b >> 4 : b & 15;
+        if (l > maxlen) return -1;
+        len[s] = (uint8_t)l;
+        if (l) {
+            count[l]++;
+            used++;
+            kraft += 1u << (maxlen - l);
+        }
+    }
+    /* complete code: every maxlen-bit index is the prefix of exactly one code */
+    if (used < 2 || kraft != (1u << maxlen)) return -1;
+    for (l = 1; l <= maxlen; l++) {
+        code = (code + count[l - 1]) << 1;
+        next[l] = code;
+    }
+    /* count[0] is 0 above, so lengths-1 codes start at 0 */
+    for (s = first; s <= last; s++) {
+        uint32_t r, step, k;
+        l = len[s];
+        if (!l) continue;
+        r = kvh_reverse(next[l]++, l);
+        step = 1u << l;
+        for (k = r; k < (1u << maxlen); k += step) {
+            dt->sym[k] = (uint8_t)s;
+            dt->len[k] = (uint8_t)l;
+        }
+    }
+    dt->log = maxlen;
+    return (ptrdiff_t)(3 + nb);
+}
+
+/* Peek 64 bits at bit position bp of a stream of sl bytes, zero past its end. */
+static inline uint64_t kvh_peek_safe(const uint8_t *s, size_t sl, size_t bp)
+{
+    size_t byte = bp >> 3;
+    uint8_t tmp[8] = {0};
+    if (byte + 8 <= sl) return kvh_load64(s + byte) >> (bp & 7);
+    if (byte < sl) memcpy(tmp, s + byte, sl - byte);
+    return kvh_load64(tmp) >> (bp & 7);
+}
+
+/* Decode m symbols of one stream from position *bp (careful path, one symbol at a time). */
+static inline int kvh_decode_tail(const kvh_dtable *dt, const uint8_t *s, size_t sl, size_t *bp,
+                                  uint8_t *o, size_t m)
+{
+    const uint64_t mask = (1u << dt->log) - 1;
+    size_t i, pos = *bp;
+    for (i = 0; i < m; i++) {
+        size_t k = (size_t)(kvh_peek_safe(s, sl, pos) & mask);
+        o[i] = dt->sym[k];
+        pos += dt->len[k];
+        if (pos > 8 * sl) return -1;
+    }
+    *bp = pos;
+    return 0;
+}
+
+static inline int kvh_decode_huf(const uint8_t *src, size_t len, uint8_t *dst, size_t m)
+{
+    kvh_dtable dt;
+    ptrdiff_t tl = kvh_read_table(src, len, &dt);
+    const uint8_t *s[4];
+    size_t sl[4], bp[4] = {0, 0, 0, 0}, qn[4], q = m / 4, pos, rest;
+    uint8_t *o[4];
+    int j;
+
+    if (tl < 0) return KVH_ERR_CORRUPT;
+    pos = (size_t)tl;
+    if (len - pos < 12) return KVH_ERR_CORRUPT;
+    rest = len - pos - 12;
+    for (j = 0; j < 3; j++) {
+        sl[j] = kvh_load32(src + pos + 4 * j);
+        if (sl[j] > rest) return KVH_ERR_CORRUPT;
+        rest -= sl[j];
+    }
+    sl[3] = rest;
+    pos += 12;
+    qn[0] = qn[1] = qn[2] = q;
+    qn[3] = m - 3 * q;
+    for (j = 0; j < 4; j++) {
+        s[j] = src + pos;
+        pos += sl[j];
+        o[j] = dst + j * q;
+    }
+    {
+        /* fast loop: 4 lookups (<= 48 bits) per stream from one 64-bit load (>= 57 bits
+         * valid), each emitting 1 or 2 symbols (a 2-byte store, advancing by the count);
+         * state in locals, which the byte stores cannot alias */
+        const uint16_t *ty = dt.sy2;
+        const uint8_t *tb = dt.nb2, *tn = dt.ns2;
+        const uint64_t mask = (1u << dt.log) - 1;
+        const uint8_t *s0 = s[0], *s1 = s[1], *s2 = s[2], *s3 = s[3];
+        size_t p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+        /* (pos >> 3) + 8 <= sl holds while pos <= (sl - 8) * 8 */
+        const size_t l0 = sl[0] < 8 ? 0 : (sl[0] - 8) * 8, l1 = sl[1] < 8 ? 0 : (sl[1] - 8) * 8;
+        const size_t l2 = sl[2] < 8 ? 0 : (sl[2] - 8) * 8, l3 = sl[3] < 8 ? 0 : (sl[3] - 8) * 8;
+        uint8_t *o0 = o[0], *o1 = o[1], *o2 = o[2], *o3 = o[3];
+        /* a stream may write up to 8 bytes per round: stop 8 before the end of its quarter */
+        uint8_t *const e0 = dst + q, *const e1 = dst + 2 * q, *const e2 = dst + 3 * q;
+        uint8_t *const e3 = dst + m;
+#define KVH_PAIR(b, pos, out) \
+        do { \
+            size_t x_ = (size_t)((b) & mask); \
+            unsigned n_ = tb[x_]; \
+            uint16_t y_ = ty[x_]; \
+            (out)[0] = (uint8_t)y_; /* one 2-byte store on little-endian machines */ \
+            (out)[1] = (uint8_t)(y_ >> 8); \
+            (out) += tn[x_]; \
+            (b) >>= n_; \
+            (pos) += n_; \
+        } while (0)
+/* the 4 streams' lookups are interleaved one by one, so that independent work sits close
+ * together in program order (stream after stream, the chains would fill the scheduler) */
+#define KVH_LOAD(sp, pos) (kvh_load64((sp) + ((pos) >> 3)) >> ((pos) & 7))
+#define KVH_ROUND(k) \
+        do { \
+            uint64_t b0 = KVH_LOAD(s0, p0), b1 = KVH_LOAD(s1, p1); \
+            uint64_t b2 = KVH_LOAD(s2, p2), b3 = KVH_LOAD(s3, p3); \
+            int r_; \
+            for (r_ = 0; r_ < (k); r_++) { \
+                KVH_PAIR(b0, p0, o0); \
+                KVH_PAIR(b1, p1, o1); \
+                KVH_PAIR(b2, p2, o2); \
+                KVH_PAIR(b3, p3, o3); \
+            } \
+        } while (0)
+        kvh_build_pairs(&dt);
+        if (sl[0] >= 8 && sl[1] >= 8 && sl[2] >= 8 && sl[3] >= 8 && q >= 10) {
+            if (dt.log <= 11) {
+                /* 5 lookups of <= 11 bits fit in the 57 valid bits: one refill per 5 */
+                while (p0 <= l0 && p1 <= l1 && p2 <= l2 && p3 <= l3 && o0 + 10 <= e0 &&
+                       o1 + 10 <= e1 && o2 + 10 <= e2 && o3 + 10 <= e3)
+                    KVH_ROUND(5);
+            } else {
+                while (p0 <= l0 && p1 <= l1 && p2 <= l2 && p3 <= l3 && o0 + 8 <= e0 &&
+                       o1 + 8 <= e1 && o2 + 8 <= e2 && o3 + 8 <= e3)
+                    KVH_ROUND(4);
+            }
+        }
+#undef KVH_ROUND
+#undef KVH_LOAD
+#undef KVH_PAIR
+        bp[0] = p0; bp[1] = p1; bp[2] = p2; bp[3] = p3;
+        o[0] = o0; o[1] = o1; o[2] = o2; o[3] = o3;
+        for (j = 0; j < 4; j++) {
+            size_t done = (size_t)(o[j] - (dst + j * q));
+            if (kvh_decode_tail(&dt, s[j], sl[j], &bp[j], o[j], qn[j] - done) < 0)
+                return KVH_ERR_CORRUPT;
+            /* the stream must end exactly where its last code ends */
+            if ((bp[j] + 7) / 8 != sl[j]) return KVH_ERR_CORRUPT;
+        }
+    }
+    return 0;
+}
+
+/* Decode one segment (len bytes at src) into m bytes at dst. */
+static inline int kvh_decode_seg(const uint8_t *src, size_t len, uint8_t *dst, size_t m)
+{
+    if (len < 1) return KVH_ERR_CORRUPT;
+    switch (src[0]) {
+    case KVH_SEG_RAW:
+        if (len != m + 1) return KVH_ERR_CORRUPT;
+        memcpy(dst, src + 1, m);
+        return 0;
+    case KVH_SEG_CONST:
+        if (len != 2) return KVH_ERR_CORRUPT;
+        memset(dst, src[1], m);
+        return 0;
+    case KVH_SEG_HUF:
+        return kvh_decode_huf(src + 1, len - 1, dst, m);
+    default:
+        return KVH_ERR_CORRUPT;
+    }
+}
+
+/* Segment i of a plane section: sets p and sl, checking the length table. The offsets are
+ * accumulated by the caller in *off (start with 4 * nseg). */
+static inline int kvh_segment(const uint8_t *src, size_t len, size_t nseg, size_t i, size_t *off,
+                              const uint8_t **p, size_t *sl)
+{
+    size_t l = kvh_load32(src + 4 * i);
+    if (l > len - *off) return KVH_ERR_CORRUPT;
+    *p = src + *off;
+    *sl = l;
+    *off += l;
+    if (i + 1 == nseg && *off != len) return KVH_ERR_CORRUPT;
+    return 0;
+}
+
+/* Decode a whole plane section (len bytes) into n bytes at dst. */
+static inline int kvh_decode_plane(const uint8_t *src, size_t len, uint8_t *dst, size_t n, size_t seg)
+{
+    size_t nseg, i, off;
+    if (seg == 0) return KVH_ERR_ARG;
+    nseg = (n + seg - 1) / seg;
+    if (nseg == 0) return len == 0 ? 0 : KVH_ERR_CORRUPT;
+    if (len < 4 * nseg) return KVH_ERR_CORRUPT;
+    off = 4 * nseg;
+    for (i = 0; i < nseg; i++) {
+        const uint8_t *p;
+        size_t sl, a = i * seg, m = n - a < seg ? n - a : seg;
+        int r = kvh_segment(src, len, nseg, i, &off, &p, &sl);
+        if (r < 0) return r;
+        r = kvh_decode_seg(p, sl, dst + a, m);
+        if (r < 0) return r;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ fused with the 2-byte split */
+
+/* Split n 2-byte elements of src (rotated left by rot): low plane into lo, high plane coded
+ * into a plane section at dst (cap >= kvh_plane_bound(n, seg)); scratch holds seg bytes. */
+static inline ptrdiff_t kvh_encode2(const uint8_t *src, size_t n, int rot, uint8_t *lo,
+                                    uint8_t *dst, size_t cap, uint8_t *scratch, size_t seg,
+                                    int maxbits, size_t min_gain)
+{
+    size_t nseg, i, pos;
+    uint32_t *pairs;
+    if (seg == 0 || maxbits < 8 || maxbits > KVH_MAX_LOG) return KVH_ERR_ARG;
+    if (cap < kvh_plane_bound(n, seg)) return KVH_ERR_SPACE;
+    nseg = (n + seg - 1) / seg;
+    pos = 4 * nseg;
+    pairs = (uint32_t *)malloc(KVH_PAIR_ENTRIES * sizeof(uint32_t)); /* may be NULL: see above */
+    for (i = 0; i < nseg; i++) {
+        size_t a = i * seg, m = n - a < seg ? n - a : seg;
+        ptrdiff_t r;
+        kvs_split2(src + 2 * a, lo + a, scratch, m, rot);
+        r = kvh_encode_seg(scratch, m, dst + pos, cap - pos, maxbits, min_gain, pairs);
+        if (r < 0) {
+            free(pairs);
+            return r;
+        }
+        kvh_store32(dst + 4 * i, (uint32_t)r);
+        pos += (size_t)r;
+    }
+    free(pairs);
+    return (ptrdiff_t)pos;
+}
+
+/* Inverse: decode the high-plane section (len bytes) segment by segment into scratch (seg
+ * bytes; raw segments are read in place) and join it with lo into dst (2 * n bytes). */
+static inline int kvh_decode2(const uint8_t *src, size_t len, const uint8_t *lo, uint8_t *dst,
+                              size_t n, int rot, uint8_t *scratch, size_t seg)
+{
+    size_t nseg, i, off;
+    if (seg == 0) return KVH_ERR_ARG;
+    nseg = (n + seg - 1) / seg;
+    if (nseg == 0) return len == 0 ? 0 : KVH_ERR_CORRUPT;
+    if (len < 4 * nseg) return KVH_ERR_CORRUPT;
+    off = 4 * nseg;
+    for (i = 0; i < nseg; i++) {
+        const uint8_t *p, *hi = scratch;
+        size_t sl, a = i * seg, m = n - a < seg ? n - a : seg;
+        int r = kvh_segment(src, len, nseg, i, &off, &p, &sl);
+        if (r == 0) {
+            if (sl == m + 1 && p[0] == KVH_SEG_RAW) hi = p + 1;
+            else r = kvh_decode_seg(p, sl, scratch, m);
+        }
+        if (r < 0) {
+            kvs_sfence();
+            return r;
+        }
+        /* the output is typically a fresh chunk buffer or a DRAM slot, not in cache:
+         * non-temporal stores skip reading its lines in first */
+        kvs_join2_nt(lo + a, hi, dst + 2 * a, m, rot);
+    }
+    kvs_sfence();
+    return 0;
+}
+
+/* Size a single HUF segment would take for src (header included), or m + 1 if raw. */
+static inline size_t kvh_estimate(const uint8_t *src, size_t m, int maxbits)
+{
+    uint32_t h[4][256], freq[256];
+    uint8_t len[256];
+    uint64_t bits = 0;
+    int s, used = 0, first = -1, last = -1;
+    if (m == 0) return 0;
+    kvh_hist4(src, m, h);
+    for (s = 0; s < 256; s++) {
+        freq[s] = h[0][s] + h[1][s] + h[2][s] + h[3][s];
+        if (freq[s]) { used++; if (first < 0) first = s; last = s; }
+    }
+    if (used == 1) return 2;
+    kvh_build_lengths(freq, maxbits, len);
+    for (s = 0; s < 256; s++) bits += (uint64_t)freq[s] * len[s];
+    return (size_t)(bits / 8) + 4 + 4 + (size_t)(last - first + 2) / 2 + 12;
+}
+
+#endif /* KVHUFF_H */
