@@ -488,7 +488,7 @@ static inline ptrdiff_t kvh_read_table(const uint8_t *p, size_t avail, kvh_dtabl
     uint8_t len[256];
     uint32_t count[KVH_MAX_LOG + 1] = {0}, next[KVH_MAX_LOG + 1];
     uint32_t code = 0, kraft = 0;
-    int maxlen, first, last, s, l, used = 0;
+    int maxlen, first, last, s, l, used = 0, tlog;
     size_t nb;
 
     if (avail < 3) return -1;
@@ -516,19 +516,21 @@ static inline ptrdiff_t kvh_read_table(const uint8_t *p, size_t avail, kvh_dtabl
         code = (code + count[l - 1]) << 1;
         next[l] = code;
     }
-    /* count[0] is 0 above, so lengths-1 codes start at 0 */
+    /* count[0] is 0 above, so lengths-1 codes start at 0. The tables are at least
+     * KVH_DEFAULT_LOG bits wide so that the fast loop can use a constant mask */
+    tlog = maxlen < KVH_DEFAULT_LOG ? KVH_DEFAULT_LOG : maxlen;
     for (s = first; s <= last; s++) {
         uint32_t r, step, k;
         l = len[s];
         if (!l) continue;
         r = kvh_reverse(next[l]++, l);
         step = 1u << l;
-        for (k = r; k < (1u << maxlen); k += step) {
+        for (k = r; k < (1u << tlog); k += step) {
             dt->sym[k] = (uint8_t)s;
             dt->len[k] = (uint8_t)l;
         }
     }
-    dt->log = maxlen;
+    dt->log = tlog;
     return (ptrdiff_t)(3 + nb);
 }
 
@@ -603,7 +605,7 @@ static inline int kvh_decode_huf(const uint8_t *src, size_t len, uint8_t *dst, s
         uint8_t *const e3 = dst + m;
 #define KVH_PAIR(b, pos, out) \
         do { \
-            size_t x_ = (size_t)((b) & mask); \
+            size_t x_ = (size_t)((b) & KVH_MASK); \
             unsigned n_ = tb[x_]; \
             uint16_t y_ = ty[x_]; \
             (out)[0] = (uint8_t)y_; /* one 2-byte store on little-endian machines */ \
@@ -629,15 +631,19 @@ static inline int kvh_decode_huf(const uint8_t *src, size_t len, uint8_t *dst, s
         } while (0)
         kvh_build_pairs(&dt);
         if (sl[0] >= 8 && sl[1] >= 8 && sl[2] >= 8 && sl[3] >= 8 && q >= 10) {
-            if (dt.log <= 11) {
+            if (dt.log == KVH_DEFAULT_LOG) {
                 /* 5 lookups of <= 11 bits fit in the 57 valid bits: one refill per 5 */
+#define KVH_MASK ((1u << KVH_DEFAULT_LOG) - 1)
                 while (p0 <= l0 && p1 <= l1 && p2 <= l2 && p3 <= l3 && o0 + 10 <= e0 &&
                        o1 + 10 <= e1 && o2 + 10 <= e2 && o3 + 10 <= e3)
                     KVH_ROUND(5);
+#undef KVH_MASK
             } else {
+#define KVH_MASK mask
                 while (p0 <= l0 && p1 <= l1 && p2 <= l2 && p3 <= l3 && o0 + 8 <= e0 &&
                        o1 + 8 <= e1 && o2 + 8 <= e2 && o3 + 8 <= e3)
                     KVH_ROUND(4);
+#undef KVH_MASK
             }
         }
 #undef KVH_ROUND
