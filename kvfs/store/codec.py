@@ -246,6 +246,16 @@ def _seed(codec: int, raw_len: int) -> int:
     return ((raw_len << 8) | codec) & 0xFFFFFFFFFFFFFFFF
 
 
+def _looks_random(mv: memoryview) -> bool:
+    """An incompressible chunk in a compressible file (random, encrypted): if 8 KiB from its
+    middle have a random high byte, it is stored raw at once (~2 us) instead of found out by
+    compressing everything. KV data sits far below (fp16 ~5.7 bits, bf16 ~2.8)."""
+    if len(mv) < 2 * _PROBE_PIECE:
+        return False
+    mid = len(mv) // 4 * 2
+    return _shuffle.u16_entropy(mv[mid - _PROBE_PIECE // 2 : mid + _PROBE_PIECE // 2], 8) > 7.9
+
+
 class Codec:
     """Chooses, applies and inverts the chunk codecs. Safe to share between threads."""
 
@@ -428,13 +438,8 @@ class Codec:
         raw_len = len(mv)
         n = raw_len // 2
         tail = raw_len - 2 * n
-        if raw_len >= 2 * _PROBE_PIECE:
-            # An incompressible chunk in a compressible file (random, encrypted): if 8 KiB from
-            # its middle have a random high byte, store it raw now (~2 us) instead of finding out
-            # by compressing everything. KV data sits far below (fp16 ~5.7 bits, bf16 ~2.8).
-            mid = raw_len // 4 * 2
-            if _shuffle.u16_entropy(mv[mid - _PROBE_PIECE // 2 : mid + _PROBE_PIECE // 2], 8) > 7.9:
-                return CODEC_RAW, mv
+        if _looks_random(mv):
+            return CODEC_RAW, mv
         seg_log2 = self.policy.segment_log2
         seg = 1 << seg_log2
         nseg = -(-n // seg)
@@ -507,11 +512,8 @@ class Codec:
         raw_len = len(mv)
         n = raw_len // 2
         tail = raw_len - 2 * n
-        if raw_len >= 2 * _PROBE_PIECE:
-            # an incompressible chunk (random, encrypted) in a compressible file: see _encode_shuf2
-            mid = raw_len // 4 * 2
-            if _shuffle.u16_entropy(mv[mid - _PROBE_PIECE // 2 : mid + _PROBE_PIECE // 2], 8) > 7.9:
-                return CODEC_RAW, mv
+        if _looks_random(mv):
+            return CODEC_RAW, mv
         seg_log2 = p.segment_log2
         keep = n * (1.0 - p.plane_min_saving)
         lo_at = _CHECK.size + _HDR2.size
