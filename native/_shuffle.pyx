@@ -232,6 +232,9 @@ cdef extern from *:
         memcpy(dst + n * k, src + n * k, len - n * k);
     }
 
+    /* The 8-byte loads below read elements in little-endian order; elsewhere bytewise. */
+    #define KV_LE (__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__)
+
     /* Order-0 entropy (bits per symbol) of a 256-bin histogram. */
     static double kv_entropy(const uint32_t *h, size_t total)
     {
@@ -246,16 +249,30 @@ cdef extern from *:
     }
 
     /* Entropies of the byte planes of src seen as 1-, 2- and 4-byte elements, from one pass:
-       out = {H(all), H(plane 0 of 2), H(plane 1 of 2), H(plane 0 of 4) .. H(plane 3 of 4)}. */
+       out = {H(all), H(plane 0 of 2), H(plane 1 of 2), H(plane 0 of 4) .. H(plane 3 of 4)}.
+       Two tables per plane (even/odd elements), fed from 8-byte loads: a run of one value
+       (zero pages, exponent planes) would otherwise serialise on one counter. */
     static void kv_entropy_profile(const uint8_t *src, size_t len, double *out)
     {
-        uint32_t h[4][256], m[256];
+        uint32_t h[8][256], m[256];
         size_t i, n = len / 4;
         int j;
         memset(h, 0, sizeof h);
-        for (i = 0; i < n; i++) {
+        for (i = 0; KV_LE && i + 2 <= n; i += 2) {
+            uint64_t w;
+            memcpy(&w, src + 4 * i, 8);
+            h[0][w & 0xff]++; h[1][(w >> 8) & 0xff]++;
+            h[2][(w >> 16) & 0xff]++; h[3][(w >> 24) & 0xff]++;
+            h[4][(w >> 32) & 0xff]++; h[5][(w >> 40) & 0xff]++;
+            h[6][(w >> 48) & 0xff]++; h[7][w >> 56]++;
+        }
+        for (; i < n; i++) {
             h[0][src[4 * i]]++; h[1][src[4 * i + 1]]++;
             h[2][src[4 * i + 2]]++; h[3][src[4 * i + 3]]++;
+        }
+        for (j = 0; j < 4; j++) {
+            int s;
+            for (s = 0; s < 256; s++) h[j][s] += h[j + 4][s];
         }
         for (j = 0; j < 256; j++) m[j] = h[0][j] + h[1][j] + h[2][j] + h[3][j];
         out[0] = kv_entropy(m, 4 * n);
@@ -266,17 +283,27 @@ cdef extern from *:
         for (j = 0; j < 4; j++) out[3 + j] = kv_entropy(h[j], n);
     }
 
-    /* Entropy of ((u16 >> shift) & 0xff) over the little-endian 16-bit elements of src. */
+    /* Entropy of ((u16 >> shift) & 0xff) over the little-endian 16-bit elements of src; four
+       tables fed from 8-byte loads, as above. */
     static double kv_u16_entropy(const uint8_t *src, size_t n, int shift)
     {
-        uint32_t h[256];
+        uint32_t h[4][256];
         size_t i;
+        int s;
         memset(h, 0, sizeof h);
-        for (i = 0; i < n; i++) {
-            uint32_t v = (uint32_t)src[2 * i] | ((uint32_t)src[2 * i + 1] << 8);
-            h[(v >> shift) & 0xffu]++;
+        for (i = 0; KV_LE && i + 4 <= n; i += 4) {
+            uint64_t w;
+            memcpy(&w, src + 2 * i, 8);
+            w >>= shift;
+            h[0][w & 0xff]++; h[1][(w >> 16) & 0xff]++;
+            h[2][(w >> 32) & 0xff]++; h[3][(w >> 48) & 0xff]++;
         }
-        return kv_entropy(h, n);
+        for (; i < n; i++) {
+            uint32_t v = (uint32_t)src[2 * i] | ((uint32_t)src[2 * i + 1] << 8);
+            h[0][(v >> shift) & 0xffu]++;
+        }
+        for (s = 0; s < 256; s++) h[0][s] += h[1][s] + h[2][s] + h[3][s];
+        return kv_entropy(h[0], n);
     }
     """
     int kv_simd_level() nogil
