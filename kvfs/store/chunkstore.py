@@ -155,6 +155,10 @@ class ChunkStore:
         # Prefetch bookkeeping: chunks staged ahead of a read and not read yet, and in flight.
         self.prefetched: set[tuple[int, int]] = set()
         self._prefetching: set[tuple[int, int]] = set()
+        # Chunks a prefetch decoded and verified in their DRAM slot, not read since -> seq:
+        # the first read counts as that verified read (as a demand read from NVMe does)
+        # instead of hashing the chunk again on the trio thread; later reads check again.
+        self._verified_in_slot: dict[tuple[int, int], int] = {}
         # Prefetch never takes the worker threads demand reads need.
         self.prefetch_limiter = trio.CapacityLimiter(max(1, io_threads // 2))
         self.high_water = int(0.9 * dram_size)  # set by tiering; start demoting above it
@@ -272,6 +276,7 @@ class ChunkStore:
                                                        new.dram_slot != old.dram_slot):
             self.policy.removed(key)
             self.dirty_since.pop(key, None)
+            self._verified_in_slot.pop(key, None)
             if key in self.prefetched:
                 self.prefetched.discard(key)
                 self.counters.prefetch_wasted += 1
@@ -431,7 +436,8 @@ class ChunkStore:
             if loc.dram_slot >= 0:
                 view = self.dram.slot_view(loc.dram_slot, loc.raw_len)
                 if loc.flags & SEALED and (verified is None or (c, loc.seq) not in verified):
-                    if _hash(view) != loc.checksum:
+                    if (self._verified_in_slot.pop((ino, c), None) != loc.seq
+                            and _hash(view) != loc.checksum):
                         self.counters.checksum_errors += 1
                         raise ChunkError(f"inode {ino} chunk {c}: checksum mismatch in DRAM")
                     if verified is not None:
@@ -495,6 +501,7 @@ class ChunkStore:
         if data is None or now is None or now.seq != loc.seq or now.dram_slot < 0:
             return False  # changed meanwhile, or no slot was free when the read began
         self.prefetched.add(key)
+        self._verified_in_slot[key] = now.seq  # fetch checked the bytes in their slot
         if self.dram_used > self.high_water:
             self.kick_demoter()  # the demoter makes room in bulk, in eviction order
         return True

@@ -224,6 +224,50 @@ def test_corrupt_dram_chunk_is_eio(kv):
         assert f.read() == data[CHUNK:]
 
 
+def _live_slot(m, name: str) -> int | None:
+    """DRAM slot of *name*'s first chunk, read from the metadata while the daemon runs (lmdb
+    allows readers in other processes)."""
+    import struct
+
+    import lmdb
+
+    from kvfs.store.meta import from_key2
+
+    ino = os.stat(m.path / name).st_ino
+    env = lmdb.open(str(m.nvme_dir / "meta"), readonly=True, lock=True, max_dbs=16)
+    try:
+        db = env.open_db(b"chunks", create=False)
+        with env.begin(db=db) as txn:
+            for k, v in txn.cursor():
+                if from_key2(k) == (ino, 0):
+                    return struct.unpack_from("<q", v)[0]
+    finally:
+        env.close()
+    return None
+
+
+def test_prefetched_chunk_is_checked_again_after_its_first_read(kv):
+    """A prefetch verifies the chunk in its DRAM slot, so the first read skips the hash; any
+    later read checks it again: damage in DRAM after staging is still EIO."""
+    from kvfs.client import prefetch
+
+    files = _fill(kv, "p", 30, 128 << 10)
+    victim = _nvme_only(kv, files)[0]
+    assert prefetch([kv.path / victim], strict=True) == 1
+    _wait(lambda: "dram" in kv.tiers(victim))
+    assert (kv.path / victim).read_bytes() == files[victim]  # the read that counts as checked
+    slot = _live_slot(kv, victim)
+    assert slot is not None and slot >= 0
+    with open(kv.dram_dir / "arena", "r+b") as f:
+        f.seek(slot * CHUNK + 5)
+        byte = f.read(1)
+        f.seek(slot * CHUNK + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(OSError) as ei:
+        (kv.path / victim).read_bytes()
+    assert ei.value.errno == errno.EIO
+
+
 def _kv_blocks(n: int, size: int) -> list[bytes]:
     """n distinct blocks of real bf16 KV bytes (compressible, unlike os.urandom)."""
     raw = (Path(__file__).resolve().parents[3] / "shared/data/kv/smollm2_kv_bf16.npy").read_bytes()
