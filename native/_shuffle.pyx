@@ -235,17 +235,31 @@ cdef extern from *:
     /* The 8-byte loads below read elements in little-endian order; elsewhere bytewise. */
     #define KV_LE (__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__)
 
-    /* Order-0 entropy (bits per symbol) of a 256-bin histogram. */
+    /* x * log2(x) for the small counts that dominate histograms of a few KiB: a table
+       instead of up to 256 log2 calls per histogram (~8 ns each, seven histograms per
+       profile). Filled once, at module import. */
+    #define KV_XLOGX_N 4096
+    static double kv_xlogx[KV_XLOGX_N];
+
+    static void kv_init_tables(void)
+    {
+        int i;
+        kv_xlogx[0] = 0.0;
+        for (i = 1; i < KV_XLOGX_N; i++) kv_xlogx[i] = (double)i * log2((double)i);
+    }
+
+    /* Order-0 entropy (bits per symbol) of a 256-bin histogram:
+       H = log2(total) - sum(h * log2(h)) / total. */
     static double kv_entropy(const uint32_t *h, size_t total)
     {
-        double e = 0.0, inv;
+        double acc = 0.0;
         int i;
         if (total == 0) return 0.0;
-        inv = 1.0 / (double)total;
         for (i = 0; i < 256; i++) {
-            if (h[i]) { double p = h[i] * inv; e -= p * log2(p); }
+            uint32_t c = h[i];
+            acc += c < KV_XLOGX_N ? kv_xlogx[c] : (double)c * log2((double)c);
         }
-        return e;
+        return log2((double)total) - acc / (double)total;
     }
 
     /* Entropies of the byte planes of src seen as 1-, 2- and 4-byte elements, from one pass:
@@ -307,6 +321,7 @@ cdef extern from *:
     }
     """
     int kv_simd_level() nogil
+    void kv_init_tables() nogil
     void kv_entropy_profile(const uint8_t *src, size_t len, double *out) nogil
     double kv_u16_entropy(const uint8_t *src, size_t n, int shift) nogil
     void kv_split2(const uint8_t *src, uint8_t *lo, uint8_t *hi, size_t n, int rot, int level) nogil
@@ -316,6 +331,8 @@ cdef extern from *:
 
 from cpython.bytearray cimport PyByteArray_FromStringAndSize
 from libc.string cimport memcpy
+
+kv_init_tables()  # the entropy table, before any function of this module can run
 
 
 def simd_level() -> int:
