@@ -165,10 +165,11 @@ class Namespace:
     def inherited_xattr(self, ino: int, name: bytes) -> bytes | None:
         """*name* on the file, else on its nearest ancestor directory that has it (how
         operators set hints for a whole directory of an engine's files)."""
-        for i in (ino, *self.ancestors(ino)):
-            value = self.getxattr(i, name)
-            if value is not None:
-                return value
+        with self.meta.env.begin(db=self.meta.db["xattrs"]) as txn:  # one snapshot for all
+            for i in (ino, *self.ancestors(ino)):
+                value = txn.get(u64(i) + name)
+                if value is not None:
+                    return value
         return None
 
     def entries(self, ino: int) -> list[tuple[bytes, int]]:

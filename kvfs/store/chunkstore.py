@@ -830,9 +830,11 @@ class ChunkStore:
         if stream is None:
             stream = self.stream_of(ino)
         codec_id = self._file_codec.get(ino)
+        # the hint is looked up here: the namespace belongs to the trio thread
+        hint = self.codec_hint(ino) if codec_id is None else None
         view = self.dram.slot_view(loc.dram_slot, loc.raw_len)
         csum, codec_id, used, payload = await trio.to_thread.run_sync(
-            self._encode, ino, view, loc, codec_id, limiter=self.limiter)
+            self._encode, view, loc, codec_id, hint, limiter=self.limiter)
         self._file_codec.setdefault(ino, codec_id)  # the file's choice; `used` is this chunk's
         now = self.get(ino, c)
         if now is None or now.seq != loc.seq:
@@ -880,13 +882,14 @@ class ChunkStore:
         with self.meta.write() as txn:
             self._replace(txn, ino, c, now, now._replace(seg=seg, off=off, rec_len=rec_len))
 
-    def _encode(self, ino: int, view: memoryview, loc: Loc, codec_id: int | None):
-        """Worker thread: checksum (unless sealed) and compress one chunk. Returns the file's
-        codec choice and the codec this chunk was really stored with (raw when it did not
+    def _encode(self, view: memoryview, loc: Loc, codec_id: int | None, hint: str | None):
+        """Worker thread: checksum (unless sealed) and compress one chunk; without a codec
+        choice for the file yet, make one (from *hint* and the chunk). Returns the file's codec
+        choice and the codec this chunk was really stored with (raw when it did not
         compress)."""
         csum = loc.checksum if loc.flags & SEALED else _hash(view)
         if codec_id is None:
-            codec_id = self.codec.choose(view[:65536], self.codec_hint(ino))
+            codec_id = self.codec.choose(view[:65536], hint)
         used, payload = self.codec.encode(view, codec_id)  # may fall back to raw
         if used == CODEC_RAW:
             payload = bytes(view)  # the slot may change after we return: take a copy
