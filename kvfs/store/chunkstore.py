@@ -146,6 +146,9 @@ class ChunkStore:
         self._space = trio.Event()
         self._fetching: dict[tuple[int, int], trio.Event] = {}
         self._file_codec: dict[int, int] = {}
+        # Files whose codec a writeback is choosing now: their other chunks wait for the
+        # choice instead of each making it again (the demoter writes several at once).
+        self._choosing: dict[int, trio.Event] = {}
         self.codec_hint: Callable[[int], str | None] = lambda ino: None
         self.kick_demoter: Callable[[], None] = lambda: None
         self.cleaner = None  # set by the assembly (store.gc.Cleaner)
@@ -820,6 +823,8 @@ class ChunkStore:
         """Copy a dirty DRAM chunk to NVMe; with *drop*, free its DRAM slot afterwards.
         Returns False if the chunk changed meanwhile (the caller may retry)."""
         ino, c = key
+        while self._file_codec.get(ino) is None and (wait := self._choosing.get(ino)):
+            await wait.wait()
         loc = self.get(ino, c)
         if loc is None or loc.dram_slot < 0:
             return True
@@ -830,12 +835,21 @@ class ChunkStore:
         if stream is None:
             stream = self.stream_of(ino)
         codec_id = self._file_codec.get(ino)
-        # the hint is looked up here: the namespace belongs to the trio thread
-        hint = self.codec_hint(ino) if codec_id is None else None
-        view = self.dram.slot_view(loc.dram_slot, loc.raw_len)
-        csum, codec_id, used, payload = await trio.to_thread.run_sync(
-            self._encode, view, loc, codec_id, hint, limiter=self.limiter)
-        self._file_codec.setdefault(ino, codec_id)  # the file's choice; `used` is this chunk's
+        choice = None
+        if codec_id is None:  # and nobody is choosing it (see the top): this chunk decides
+            choice = self._choosing[ino] = trio.Event()
+        try:
+            # the hint is looked up here: the namespace belongs to the trio thread
+            hint = self.codec_hint(ino) if codec_id is None else None
+            view = self.dram.slot_view(loc.dram_slot, loc.raw_len)
+            csum, codec_id, used, payload = await trio.to_thread.run_sync(
+                self._encode, view, loc, codec_id, hint, limiter=self.limiter)
+            # the file's choice; `used` is this chunk's
+            self._file_codec.setdefault(ino, codec_id)
+        finally:
+            if choice is not None:
+                del self._choosing[ino]
+                choice.set()
         now = self.get(ino, c)
         if now is None or now.seq != loc.seq:
             return False
