@@ -474,7 +474,7 @@ typedef struct {
 
 /* Fill the pair tables from sym/len: the first code is in the low `log` bits of the window, the
  * second is the one the bits after it start with; it counts only if it lies entirely inside the
- * KVH_MAX_LOG-bit window. */
+ * wlog-bit window. */
 static inline void kvh_build_pairs(kvh_dtable *dt)
 {
     const unsigned W = (unsigned)dt->wlog, low = (1u << dt->log) - 1;

@@ -971,8 +971,13 @@ def batch_ratios(runs_a: list[dict], base: dict, metric: str) -> list[float]:
         rb = base.get(ra["rep"])
         if rb is None or "batch_s" not in ra or "batch_s" not in rb:
             return []
-        out += [tb / ta for ta, tb in zip(ra["batch_s"], rb["batch_s"], strict=True)]
+        out += _batch_pairs(ra, rb)
     return out
+
+
+def _batch_pairs(ra: dict, rb: dict) -> list[float]:
+    """a / b of each batch pair (batch times: b's time over a's)."""
+    return [tb / ta for ta, tb in zip(ra["batch_s"], rb["batch_s"], strict=True)]
 
 
 def round_ratio(ra: dict, rb: dict, metric: str) -> float:
@@ -980,8 +985,7 @@ def round_ratio(ra: dict, rb: dict, metric: str) -> float:
     batch, and their median is taken: one batch that hit a stall of the machine (per-batch
     ratios of 0.4 and 3 occur here) does not decide the round."""
     if metric.startswith("write") and "batch_s" in ra and "batch_s" in rb:
-        return statistics.median(tb / ta for ta, tb in zip(ra["batch_s"], rb["batch_s"],
-                                                            strict=True))
+        return statistics.median(_batch_pairs(ra, rb))
     return ra[metric] / rb[metric]
 
 
