@@ -69,7 +69,7 @@ class Assembly:
                 self.evictor.touch(inode.ino)
             extra.append(lambda: {"evictions": {"files": self.evictor.evicted_files,
                                                 "bytes": self.evictor.evicted_bytes}})
-        self.store.codec_hint = self._dtype_hint
+        self.store.codec_context = self._codec_context
         self.demoter = Demoter(self.store, high=s.dram_high_watermark, low=s.dram_low_watermark,
                                writeback_age=WRITEBACK_AGE_S)
         self.store.kick_demoter = self.demoter.kick
@@ -95,9 +95,11 @@ class Assembly:
         inode = self.ns.inodes.get(ino)
         return inode.size if inode is not None and inode.is_reg else None
 
-    def _dtype_hint(self, ino: int) -> str | None:
+    def _codec_context(self, ino: int) -> tuple[str | None, int | None]:
+        """A file's dtype hint (user.kvfs.dtype, inherited) and the directory it is in."""
         value = self.ns.inherited_xattr(ino, b"user.kvfs.dtype")
-        return value.decode(errors="replace") if value else None
+        up = self.ns.ancestors(ino)
+        return (value.decode(errors="replace") if value else None), (up[0] if up else None)
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:

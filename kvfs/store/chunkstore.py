@@ -35,6 +35,7 @@ import trio
 import xxhash
 
 from kvfs._index import ChunkIndex
+from kvfs.store.choices import ChoiceMemory
 from kvfs.store.codec import CODEC_RAW, Codec, CodecError
 from kvfs.store.dram import DramArena, pages
 from kvfs.store.meta import MetaStore, from_key2, from_u64, key2, u64
@@ -149,7 +150,10 @@ class ChunkStore:
         # Files whose codec a writeback is choosing now: their other chunks wait for the
         # choice instead of each making it again (the demoter writes several at once).
         self._choosing: dict[int, trio.Event] = {}
-        self.codec_hint: Callable[[int], str | None] = lambda ino: None
+        self.choices = ChoiceMemory()  # the codecs directories' files have been getting
+        # A file's dtype hint and its directory (the namespace's; set by the assembly).
+        self.codec_context: Callable[[int], tuple[str | None, int | None]] = (
+            lambda ino: (None, None))
         self.kick_demoter: Callable[[], None] = lambda: None
         self.cleaner = None  # set by the assembly (store.gc.Cleaner)
         # Placement: which stream a file's records go to (issue 5 classifies; default one).
@@ -840,11 +844,14 @@ class ChunkStore:
             choice = self._choosing[ino] = trio.Event()
         try:
             # the hint is looked up here: the namespace belongs to the trio thread
-            hint = self.codec_hint(ino) if codec_id is None else None
+            hint, directory = self.codec_context(ino) if codec_id is None else (None, None)
+            expected = self.choices.expected(directory) if hint is None else None
             view = self.dram.slot_view(loc.dram_slot, loc.raw_len)
-            csum, codec_id, used, payload = await trio.to_thread.run_sync(
-                self._encode, view, loc, codec_id, hint, limiter=self.limiter)
+            csum, codec_id, used, payload, full = await trio.to_thread.run_sync(
+                self._encode, view, loc, codec_id, hint, expected, limiter=self.limiter)
             # the file's choice; `used` is this chunk's
+            if choice is not None and hint is None:
+                self.choices.chose(directory, codec_id, full=full)
             self._file_codec.setdefault(ino, codec_id)
         finally:
             if choice is not None:
@@ -896,18 +903,29 @@ class ChunkStore:
         with self.meta.write() as txn:
             self._replace(txn, ino, c, now, now._replace(seg=seg, off=off, rec_len=rec_len))
 
-    def _encode(self, view: memoryview, loc: Loc, codec_id: int | None, hint: str | None):
+    def _encode(self, view: memoryview, loc: Loc, codec_id: int | None, hint: str | None,
+                expected: int | None):
         """Worker thread: checksum (unless sealed) and compress one chunk; without a codec
-        choice for the file yet, make one (from *hint* and the chunk). Returns the file's codec
-        choice and the codec this chunk was really stored with (raw when it did not
-        compress)."""
+        choice for the file yet, take *expected* (its directory's) if the chunk confirms it,
+        else make one (from *hint* and the chunk). Returns the file's codec choice, whether
+        that was a full choice, and the codec this chunk was really stored with (raw when it
+        did not compress)."""
         csum = loc.checksum if loc.flags & SEALED else _hash(view)
+        full = False
+        copy = None  # of the slot, which may change after we return: raw records need one
         if codec_id is None:
-            codec_id = self.codec.choose(view[:65536], hint)
+            sample = view[:65536]
+            if expected == CODEC_RAW:  # copy first: the probe then reads cached bytes
+                copy = bytes(view)
+                sample = memoryview(copy)[:65536]
+            if expected is not None and self.codec.confirms(sample, expected):
+                codec_id = expected
+            else:
+                codec_id, full = self.codec.choose(sample, hint), True
         used, payload = self.codec.encode(view, codec_id)  # may fall back to raw
         if used == CODEC_RAW:
-            payload = bytes(view)  # the slot may change after we return: take a copy
-        return csum, codec_id, used, payload
+            payload = copy if copy is not None else bytes(view)
+        return csum, codec_id, used, payload, full
 
     def drop_dram_copy(self, key: tuple[int, int]) -> None:
         """Free the DRAM slot of a chunk that is safely on NVMe."""
@@ -1045,6 +1063,8 @@ class ChunkStore:
             "moves": {"promotions": k.promotions, "demotions": k.demotions,
                       "writebacks": k.writebacks},
             "writes": {"direct_to_dram": k.direct_writes},
+            # files whose codec was chosen by trial vs taken from their directory (choices.py)
+            "codec_choices": {"full": self.choices.full, "taken": self.choices.taken},
             "prefetch": {"issued_chunks": k.prefetch_issued, "used_chunks": k.prefetch_used,
                          "late_chunks": k.prefetch_late, "wasted_chunks": k.prefetch_wasted,
                          "resident_unread_chunks": len(self.prefetched)},

@@ -373,6 +373,17 @@ class Codec:
         )
         return codec
 
+    def confirms(self, sample: bytes | memoryview, expected: int) -> bool:
+        """Does the sample agree with *expected*, a codec its siblings got (store.choices)? Only
+        the random-data probe runs: random for CODEC_RAW, not random for a compressing codec.
+        A random sample for a compressing codec (e.g. zstd for repeats) needs a full choice."""
+        if not self.policy.enabled:
+            return expected == CODEC_RAW
+        mv = _as_bytes_view(sample)[: self.policy.sample_bytes]
+        if len(mv) < _RANDOM_SAMPLE:
+            return False
+        return _looks_random(mv[:_RANDOM_SAMPLE]) == (expected == CODEC_RAW)
+
     def _trial_size(self, mv: memoryview, codec: int) -> float:
         used, payload = self._encode(mv, codec)
         return len(payload) if used != CODEC_RAW else float("inf")

@@ -458,3 +458,24 @@ def test_dtype_hint_on_a_directory_applies_to_its_files(kv):
     assert codecs["auto"] and 0 not in codecs["auto"], codecs
     for d in ("raw/deep", "auto"):
         assert all((kv.path / d / f"b{i}").read_bytes() == data for i in range(8))
+
+
+def test_files_take_their_directorys_codec_and_notice_a_change(kv):
+    """After a directory's files agree on a codec, new files there take it on the random
+    probe alone (status codec_choices.taken); bytes that disagree get a full choice at once."""
+    kv_bytes = Path(__file__).resolve().parents[3] / "shared/data/kv/smollm2_kv_bf16.npy"
+    bf16 = kv_bytes.read_bytes()[1 << 20:(1 << 20) + (128 << 10)]
+    (kv.path / "d").mkdir()
+    rnd = _fill(kv, "d/r", 24, 128 << 10)
+    _fill(kv, "filler", 40, 256 << 10)  # push them to NVMe
+    st = kv.status()["codec_choices"]
+    assert st["taken"] > 0 and st["full"] > 0, st
+    for i in range(8):
+        (kv.path / "d" / f"b{i}").write_bytes(bf16)
+    _fill(kv, "filler2", 40, 256 << 10)
+    stored = {name: {c["codec"] for c in kv.where(name) if c["segment"]} for name in
+              [*rnd, *(f"d/b{i}" for i in range(8))]}
+    assert all(stored[name] <= {0} for name in rnd), stored
+    assert all(stored[f"d/b{i}"] and 0 not in stored[f"d/b{i}"] for i in range(8)), stored
+    _check(kv, rnd)
+    assert all((kv.path / "d" / f"b{i}").read_bytes() == bf16 for i in range(8))
