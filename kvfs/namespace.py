@@ -71,6 +71,10 @@ def check_name(name: bytes) -> None:
         raise NamespaceError(errno.EINVAL)
 
 
+# xattrs that are policy hints (store/codec and store/streams read them on every writeback)
+HINT_XATTRS = frozenset((b"user.kvfs.dtype", b"user.kvfs.lifetime"))
+
+
 class Namespace:
     """Directory tree and inode attributes. All methods run on the trio thread and never await."""
 
@@ -82,6 +86,9 @@ class Namespace:
         self.symlinks: dict[int, bytes] = {}
         # file -> its names, so cache-mode eviction can remove a file without a tree walk
         self._names: dict[int, set[tuple[int, bytes]]] = {}
+        # The policy hints every writeback reads (HINT_XATTRS), also kept here: an lmdb read
+        # transaction on the trio thread costs more than a dict walk and lets go of the GIL.
+        self._hints: dict[bytes, dict[int, bytes]] = {n: {} for n in HINT_XATTRS}
         self.next_ino = ROOT_INODE + 1
         self._load()
 
@@ -98,6 +105,9 @@ class Namespace:
                 self.parent[child] = parent
         for k, v in self.meta.scan("symlinks"):
             self.symlinks[from_u64(k)] = v
+        for k, v in self.meta.scan("xattrs"):
+            if k[8:] in HINT_XATTRS:
+                self._hints[k[8:]][from_u64(k[:8])] = v
         if ROOT_INODE not in self.inodes:
             now = time.time_ns()
             root = Inode(ROOT_INODE, stat.S_IFDIR | 0o755, nlink=2, atime_ns=now, mtime_ns=now,
@@ -162,14 +172,15 @@ class Namespace:
             d = up
         return tuple(out)
 
-    def inherited_xattr(self, ino: int, name: bytes) -> bytes | None:
-        """*name* on the file, else on its nearest ancestor directory that has it (how
-        operators set hints for a whole directory of an engine's files)."""
-        with self.meta.env.begin(db=self.meta.db["xattrs"]) as txn:  # one snapshot for all
-            for i in (ino, *self.ancestors(ino)):
-                value = txn.get(u64(i) + name)
-                if value is not None:
-                    return value
+    def inherited_hint(self, ino: int, name: bytes) -> bytes | None:
+        """Hint xattr *name* (one of HINT_XATTRS) on the file, else on its nearest ancestor
+        directory that has it (how operators set hints for a whole directory of an engine's
+        files)."""
+        values = self._hints[name]
+        for i in (ino, *self.ancestors(ino)):
+            value = values.get(i)
+            if value is not None:
+                return value
         return None
 
     def entries(self, ino: int) -> list[tuple[bytes, int]]:
@@ -371,9 +382,13 @@ class Namespace:
         self.inodes.pop(inode.ino, None)
         self.symlinks.pop(inode.ino, None)
         self._names.pop(inode.ino, None)
+        for values in self._hints.values():
+            values.pop(inode.ino, None)
 
-    # -- xattrs (not cached: rare, and values can be large) --------------------------------
+    # -- xattrs (not cached, but for the hints: rare, and values can be large) -------------
     def getxattr(self, ino: int, name: bytes) -> bytes | None:
+        if name in HINT_XATTRS:
+            return self._hints[name].get(ino)
         with self.meta.env.begin(db=self.meta.db["xattrs"]) as txn:
             return txn.get(u64(ino) + name)
 
@@ -383,6 +398,8 @@ class Namespace:
         with self.meta.write() as txn:
             txn.put(u64(ino) + name, value, db=self.meta.db["xattrs"])
             self._put(txn, inode)
+        if name in HINT_XATTRS:
+            self._hints[name][ino] = value
 
     def removexattr(self, ino: int, name: bytes) -> None:
         inode = self.get(ino)
@@ -391,6 +408,8 @@ class Namespace:
                 raise NamespaceError(errno.ENODATA)
             inode.ctime_ns = time.time_ns()
             self._put(txn, inode)
+        if name in HINT_XATTRS:
+            self._hints[name].pop(ino, None)
 
     def listxattr(self, ino: int) -> list[bytes]:
         return [k[8:] for k, _ in self.meta.scan("xattrs", u64(ino))]

@@ -349,10 +349,25 @@ def summarize(run: Run) -> dict:
         "hit_samples": len(run.lat_hit),
         "miss_p50_us": _r(pct(run.lat_miss, 0.5), us), "miss_samples": len(run.lat_miss),
         "miss_positions": {p: run.miss_pos.count(p) for p in sorted(set(run.miss_pos))[:8]},
+        # inside the daemon, from its log2 histogram (bucket upper bounds): a DRAM chunk read
+        # from the store's lookup to the copy, without the FUSE round trip
+        "daemon_dram_p50_us": hist_pct(a, b, "dram_latency_us_log2_histogram", 0.5),
+        "daemon_dram_p99_us": hist_pct(a, b, "dram_latency_us_log2_histogram", 0.99),
         "readahead": {k: v for k, v in a["prefetch"].items()
                       if k in ("depth_chunks", "lead_chunks", "fetch_latency_us",
                                "reader_gap_us", "cheap_hits")},
     }
+
+
+def hist_pct(after: dict, before: dict, key: str, q: float) -> int | None:
+    """Upper bound (us) of the log2 bucket holding quantile q of a status histogram's growth."""
+    h = [x - y for x, y in zip(after["reads"][key], before["reads"][key], strict=True)]
+    total, seen = sum(h), 0
+    for b, n in enumerate(h):
+        seen += n
+        if total and seen >= q * total:
+            return 1 << b
+    return None
 
 
 def _r(x: float | None, scale: float) -> float | None:

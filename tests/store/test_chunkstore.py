@@ -479,3 +479,30 @@ def test_files_take_their_directorys_codec_and_notice_a_change(kv):
     assert all(stored[f"d/b{i}"] and 0 not in stored[f"d/b{i}"] for i in range(8)), stored
     _check(kv, rnd)
     assert all((kv.path / "d" / f"b{i}").read_bytes() == bf16 for i in range(8))
+
+
+def test_a_directory_hint_outlives_a_remount_and_goes_with_its_removal(kv):
+    """The hints are kept in memory as well as in lmdb: both must say the same thing after a
+    remount, a removexattr and a new file."""
+    kv_bytes = Path(__file__).resolve().parents[3] / "shared/data/kv/smollm2_kv_bf16.npy"
+    data = kv_bytes.read_bytes()[1 << 20:(1 << 20) + CHUNK]
+    (kv.path / "h").mkdir()
+    os.setxattr(kv.path / "h", "user.kvfs.dtype", b"raw")
+    kv.unmount()
+    kv.start()
+    assert os.getxattr(kv.path / "h", "user.kvfs.dtype") == b"raw"
+    _write_durably(kv.path / "h" / "a", data)  # fsync writes it back: its codec is chosen
+    os.removexattr(kv.path / "h", "user.kvfs.dtype")
+    with pytest.raises(OSError) as e:
+        os.getxattr(kv.path / "h", "user.kvfs.dtype")
+    assert e.value.errno == errno.ENODATA
+    _write_durably(kv.path / "h" / "b", data)
+    assert [c["codec"] for c in kv.where("h/a")] == [0]
+    assert 0 not in {c["codec"] for c in kv.where("h/b")}
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
