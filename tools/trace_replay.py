@@ -223,6 +223,31 @@ def do_request(req: Request, d: str, blocks: Blocks, run: Run, sample_every: int
         run.errors += errors
 
 
+def start_hinter(d: str, ahead: int):
+    """A thread that tells kvfs (kvfs.client.prefetch) which blocks queued requests will read,
+    as an engine's scheduler can; the replay puts each request's reads on the queue once, when
+    it is `ahead` requests from running. Hints already sent are not sent again while fresh."""
+    import queue
+
+    from kvfs.client import prefetch
+
+    q: queue.Queue = queue.Queue()
+    sent: OrderedDict[int, None] = OrderedDict()
+
+    def run() -> None:
+        while (reads := q.get()) is not None:
+            todo = [h for h in reads if h not in sent]
+            for h in reads:
+                sent[h] = None
+                sent.move_to_end(h)
+            while len(sent) > 64 * ahead:
+                sent.popitem(last=False)
+            prefetch(f"{d}/{h:010d}" for h in todo)
+
+    threading.Thread(target=run, daemon=True).start()
+    return q
+
+
 def replay(reqs: list[Request], mnt: Path, blocks: Blocks, run: Run, args) -> None:
     d = str(mnt / "blocks")
     os.mkdir(d)
@@ -256,6 +281,7 @@ def replay(reqs: list[Request], mnt: Path, blocks: Blocks, run: Run, args) -> No
         threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.workers)]
         for t in threads:
             t.start()
+    hints = start_hinter(d, args.hint_ahead) if args.hint_ahead else None
     t0_trace = reqs[0].ts if reqs else 0.0
     for i, req in enumerate(reqs):
         if args.arrival == "timestamps":
@@ -263,6 +289,9 @@ def replay(reqs: list[Request], mnt: Path, blocks: Blocks, run: Run, args) -> No
             delay = due - (time.perf_counter() - t_start)
             if delay > 0:
                 time.sleep(delay)
+        if hints is not None:  # the engine's scheduler: the queue's next requests will read these
+            for ahead in reqs[i + 1 if i else 0 : i + 1 + args.hint_ahead]:
+                hints.put(ahead.reads)
         slots.acquire()
         if pool_q:
             pool_q[0].put(req)
@@ -280,6 +309,8 @@ def replay(reqs: list[Request], mnt: Path, blocks: Blocks, run: Run, args) -> No
             pool_q[0].put(None)
     for t in threads:
         t.join()
+    if hints is not None:
+        hints.put(None)
     run.seconds = time.perf_counter() - t_start
     run.after = status(mnt)
 
@@ -389,7 +420,9 @@ def print_table(meta: dict, runs: list[dict], lru: float, opt: float) -> None:
     print(f"DRAM tier {meta['dram_pct']}% of unique blocks = {meta['cap_blocks']} blocks "
           f"({format_size(meta['cap_blocks'] * meta['block_size'])}), NVMe unbounded, chunk "
           f"{format_size(meta['chunk_size'])}, arrival {meta['arrival']}, {meta['workers']} "
-          f"worker(s), reader per {'request' if meta['reader'] == 'request' else 'pool thread'}")
+          f"worker(s), reader per {'request' if meta['reader'] == 'request' else 'pool thread'}"
+          + (f", engine hints {meta['hint_ahead']} request(s) ahead" if meta["hint_ahead"]
+             else ", no engine hints"))
     hdr = (f"{'':22} {'DRAM hit':>8} {'on time':>8} {'accuracy':>8} {'wasted':>10} "
            f"{'p50 us':>7} {'p99 us':>7} {'hit p50':>7} {'p99/hitp50':>10} {'secs':>6}")
     print(hdr)
@@ -427,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="classify every Nth read as DRAM hit or miss (0: never)")
     p.add_argument("--options", default="", help="extra kvfs -o options, k=v,...")
     p.add_argument("--work-dir", default="/var/tmp")
+    p.add_argument("--hint-ahead", type=int, default=0, metavar="N",
+                   help="hint each request's reads (kvfs.client.prefetch) when it is N "
+                        "requests from running, as an engine's scheduler could (0: no hints)")
     p.add_argument("--keep", action="store_true")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
@@ -444,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             "chunk_size": args.chunk_size, "dram_pct": args.dram_pct, "cap_blocks": cap,
             "arrival": args.arrival if args.arrival == "fast"
             else f"timestamps/{args.time_scale:g}", "workers": args.workers,
-            "reader": args.reader, "content": args.content}
+            "reader": args.reader, "content": args.content, "hint_ahead": args.hint_ahead}
     lru, opt = offline_lru(acc, cap), offline_belady(acc, cap)
     print(f"offline on {len(reqs)} requests, capacity {cap} blocks: LRU {_p(lru)}, "
           f"Belady {_p(opt)}", file=sys.stderr)
