@@ -97,8 +97,8 @@ class Assembly:
 
     def _codec_context(self, ino: int) -> tuple[str | None, int | None]:
         """A file's dtype hint (user.kvfs.dtype, inherited) and the directory it is in."""
-        value = self.ns.inherited_hint(ino, b"user.kvfs.dtype")
         up = self.ns.ancestors(ino)
+        value = self.ns.inherited_hint(ino, b"user.kvfs.dtype", up)
         return (value.decode(errors="replace") if value else None), (up[0] if up else None)
 
     async def run(self) -> None:

@@ -172,12 +172,13 @@ class Namespace:
             d = up
         return tuple(out)
 
-    def inherited_hint(self, ino: int, name: bytes) -> bytes | None:
+    def inherited_hint(self, ino: int, name: bytes,
+                       chain: tuple[int, ...] | None = None) -> bytes | None:
         """Hint xattr *name* (one of HINT_XATTRS) on the file, else on its nearest ancestor
         directory that has it (how operators set hints for a whole directory of an engine's
-        files)."""
+        files). *chain*: ancestors(ino), when the caller has it already."""
         values = self._hints[name]
-        for i in (ino, *self.ancestors(ino)):
+        for i in (ino, *(self.ancestors(ino) if chain is None else chain)):
             value = values.get(i)
             if value is not None:
                 return value

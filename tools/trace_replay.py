@@ -290,8 +290,8 @@ def replay(reqs: list[Request], mnt: Path, blocks: Blocks, run: Run, args) -> No
             if delay > 0:
                 time.sleep(delay)
         if hints is not None:  # the engine's scheduler: the queue's next requests will read these
-            for ahead in reqs[i + 1 if i else 0 : i + 1 + args.hint_ahead]:
-                hints.put(ahead.reads)
+            for ahead in reqs[i + args.hint_ahead if i else 0 : i + 1 + args.hint_ahead]:
+                hints.put(ahead.reads)  # each request once, N requests before it runs
         slots.acquire()
         if pool_q:
             pool_q[0].put(req)
