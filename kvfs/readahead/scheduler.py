@@ -336,7 +336,7 @@ class Scheduler:
                 await trio.sleep(0.0005)  # demand reads are queued for threads: they go first
                 continue
             if self.bandwidth:
-                wait = self._take_tokens(self.store.cs, now)
+                wait = self._take_tokens(self._nvme_bytes(self._heap[0][2]), now)
                 if wait > 0:
                     await trio.sleep(wait)
                     continue
@@ -344,6 +344,12 @@ class Scheduler:
             self._queued.discard(key)
             if key in self.wants and self._nvme_only(key) and key not in self.store._fetching:
                 return key
+
+    def _nvme_bytes(self, key: Key) -> int:
+        """What a prefetch of *key* reads from NVMe: its record (a 256 KiB file's chunk is no
+        1 MiB read, nor is a compressed one); a whole chunk when it is not known."""
+        loc = self.store.get(*key)
+        return loc.rec_len if loc is not None and loc.seg else self.store.cs
 
     def _take_tokens(self, size: int, now: float) -> float:
         burst = max(size, self.bandwidth / 20)
@@ -372,7 +378,7 @@ class Scheduler:
             dt = self.clock() - t0
             self.tuning.observe_fetch(dt)
             self.latency_us[_log2_bucket(int(dt * 1e6))] += 1
-            self.issued_bytes += self.store.cs
+            self.issued_bytes += self._nvme_bytes(key)
             if w is not None:
                 self._kind(w.kind)["issued"] += 1
         if result is not None:

@@ -27,6 +27,7 @@ class FakeStore:
         self.policy = DramPolicy(room_chunks)
         self.room = room_chunks
         self.delay = delay
+        self.rec_len = CS  # NVMe record bytes of every chunk
         self.limiter = trio.CapacityLimiter(8)
         self.prefetch_limiter = trio.CapacityLimiter(4)
         self.prefetched: set = set()
@@ -49,7 +50,7 @@ class FakeStore:
         if t is None:
             return None
         return SimpleNamespace(dram_slot=-1 if t == "nvme" else 0, seg=0 if t == "dirty" else 1,
-                               flags=0)
+                               flags=0, rec_len=self.rec_len)
 
     def in_dram(self) -> int:
         return sum(t != "nvme" for t in self.tier.values())
@@ -144,6 +145,26 @@ def test_bandwidth_bound():
     assert 95 <= len(store.order) <= 5 * 20 + 2
     window = [t for t in store.starts if 2.0 <= t < 4.0]
     assert len(window) <= 2 * 20 + 1
+
+
+def test_bandwidth_counts_the_bytes_read():
+    """Small (or compressed) records cost their size, not a whole chunk's."""
+    store = FakeStore(delay=0.0001)
+    store.rec_len = CS // 4
+    for c in range(400):
+        store.add((1, c))
+
+    async def body(sched):
+        for c in range(400):
+            sched.want((1, c), "r", trio.current_time(), "x")
+        await trio.sleep(2)
+
+    sched = run_sched(store, body, concurrency=8, bandwidth=20 * CS)
+    # 2 s at 80 quarter-chunk records/s, plus the initial burst.
+    assert 150 <= len(store.order) <= 2 * 80 + 6
+    issued = sched.stats()["issued_bytes"]  # the ones still in flight at the end are not in
+    assert issued % (CS // 4) == 0 and len(store.order) - 8 <= issued // (CS // 4) <= len(
+        store.order)
 
 
 def test_demand_reads_go_first():
