@@ -107,6 +107,7 @@ class Assembly:
             nursery.start_soon(self.cleaner.run)
             nursery.start_soon(self.readahead.run)
             nursery.start_soon(self.store.prefault_dram)
+            nursery.start_soon(self.store.run_punches)
             nursery.start_soon(self._signals)
             # Enough request tasks that a slow NVMe read never holds up a DRAM hit.
             await pyfuse3.main(min_tasks=8, max_tasks=64)

@@ -411,6 +411,32 @@ class ChunkStore:
             finally:
                 self.dram.prefaulted(slots, ok)
 
+    async def run_punches(self) -> None:
+        """Give freed DRAM slots' pages back in a worker thread, not on the trio thread (a
+        run of demotions frees dozens at ~50 us each); see DramArena.defer_punches."""
+        wake = trio.Event()
+        self.dram.on_punch_queued = wake.set
+        self.dram.defer_punches = True
+        try:
+            while True:
+                await wake.wait()
+                wake = trio.Event()
+                self.dram.on_punch_queued = wake.set
+                while self.dram.pending_punches:
+                    batch = self.dram.take_punches()
+                    try:
+                        done = await trio.to_thread.run_sync(self.dram.punch_many, batch,
+                                                             limiter=self.limiter)
+                    except BaseException:
+                        # counted as not punched: the slots come back with their pages
+                        self.dram.punched(batch, [False] * len(batch))
+                        raise
+                    self.dram.punched(batch, done)
+        finally:
+            self.dram.defer_punches = False
+            self.dram.on_punch_queued = lambda: None
+            self.dram.punch_queued(self.dram.take_punches())
+
     # -- read ------------------------------------------------------------------------------
     async def read(self, ino: int, off: int, size: int, file_size: int,
                    verified: set | None = None) -> bytes | memoryview:

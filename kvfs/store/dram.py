@@ -14,6 +14,10 @@ chunk placed in a fully populated slot has the slot's unused tail punched when t
 over budget.
 Warm slots hold stale bytes past their new owner's length; the store never reads past a
 chunk's length and zeroes any gap it creates (see ChunkStore._apply_write).
+Punching a freed slot's pages takes tens of microseconds (tmpfs frees page by page), and a
+run of demotions frees dozens of slots at once; with `defer_punches` set (by
+ChunkStore.run_punches, while it runs) a freed slot that must give pages back is queued, and
+its pages are punched in a worker thread before it can be taken again.
 The file outlives the daemon, which is why a SIGKILL loses nothing: lmdb records which chunk
 owns which slot, and slots nobody owns are free at the next mount.
 
@@ -111,6 +115,11 @@ class DramArena:
         self.warm_bytes = 0  # ... of which in warm slots
         self.warm_max = capacity if prefault else int(WARM_SHARE * capacity)
         self._used_slots: set[int] = set()
+        # Freed slots waiting for their pages to be punched: (slot, bytes kept, warm after).
+        self._punching: list[tuple[int, int, bool]] = []
+        self._leaving = 0  # bytes those punches will give back
+        self.defer_punches = False
+        self.on_punch_queued = lambda: None
 
     def adopt(self, used: dict[int, int]) -> None:
         """Start bookkeeping from the slots lmdb says are owned ({slot: bytes}); the others
@@ -154,6 +163,7 @@ class DramArena:
     def close(self) -> None:
         """Unmap the arena. Free slots give their RAM back (chunks' pages stay: the next mount
         finds them, as after a crash)."""
+        self.punch_queued(self.take_punches())
         for s in self._warm:
             self.punch(s, 0, self.chunk_size)
         self._warm.clear()
@@ -164,6 +174,8 @@ class DramArena:
     # -- allocation ------------------------------------------------------------------------
     def alloc(self, length: int = 0) -> int:
         """Take a free slot, populated if possible, for a chunk of up to *length* bytes."""
+        if not self._warm and not self._free and self._punching:
+            self.punch_queued([self._punching.pop()])  # the last free slots wait for a punch
         if self._warm:
             slot = self._warm.pop()
             self.warm_bytes -= self.populated[slot]
@@ -173,7 +185,7 @@ class DramArena:
             raise DramFull()
         self._used_slots.add(slot)
         self._populate(slot, length)
-        if self.resident > self.capacity and self.populated[slot] > pages(length):
+        if self.resident - self._leaving > self.capacity and self.populated[slot] > pages(length):
             self.punch(slot, pages(length), self.chunk_size - pages(length))
         return slot
 
@@ -190,17 +202,70 @@ class DramArena:
         otherwise make every later free punch a whole slot, and every alloc fault it in)."""
         self._used_slots.discard(slot)
         held = self.populated[slot]
-        over = self.resident - self.capacity
-        if held and over > 0:
-            keep = max(0, held - pages(over))
-            self.punch(slot, keep, self.chunk_size - keep)
-            held = self.populated[slot]
-        if held and self.warm_bytes + held <= self.warm_max and self.resident <= self.capacity:
+        resident = self.resident - self._leaving
+        keep = held
+        if held and resident > self.capacity:
+            keep = max(0, held - pages(resident - self.capacity))
+        if not (keep and self.warm_bytes + keep <= self.warm_max
+                and resident - (held - keep) <= self.capacity):
+            keep = 0
+        if keep == held and keep:
             self._warm.append(slot)
             self.warm_bytes += held
-            return
-        self.punch(slot, 0, self.chunk_size)
-        self._free.append(slot)
+        elif self.defer_punches:
+            self._punching.append((slot, keep, keep > 0))
+            self._leaving += held - keep
+            self.on_punch_queued()
+        else:
+            self.punch(slot, keep, self.chunk_size - keep)
+            self._settle(slot, keep > 0)
+
+    def _settle(self, slot: int, warm: bool) -> None:
+        """A freed slot whose pages beyond what it keeps are gone: warm or free."""
+        if warm and self.populated[slot]:
+            self._warm.append(slot)
+            self.warm_bytes += self.populated[slot]
+        else:
+            self._free.append(slot)
+
+    # -- punches in a worker thread (defer_punches) -------------------------------------------
+    @property
+    def pending_punches(self) -> int:
+        return len(self._punching)
+
+    def take_punches(self) -> list[tuple[int, int, bool]]:
+        batch, self._punching = self._punching, []
+        return batch
+
+    def punch_many(self, batch: list[tuple[int, int, bool]]) -> list[bool]:
+        """Worker thread: punch each queued slot beyond what it keeps. The slots belong to
+        nobody meanwhile; no bookkeeping is touched here. Returns, per slot, whether its
+        pages went (False: the kernel refused and the bytes were zeroed in place)."""
+        done = []
+        for slot, keep, _ in batch:
+            off = slot * self.chunk_size + keep
+            length = self.chunk_size - keep
+            try:
+                punch_hole(self.fd, off, length)
+                done.append(True)
+            except OSError:
+                self.map[off:off + length] = bytes(length)
+                done.append(False)
+        return done
+
+    def punched(self, batch: list[tuple[int, int, bool]], done: list[bool]) -> None:
+        """The punches of *batch* are done: account for them and give the slots out again."""
+        for (slot, keep, warm), ok in zip(batch, done, strict=True):
+            gone = self.populated[slot] - keep
+            self._leaving -= max(0, gone)
+            if ok and gone > 0:
+                self.resident -= gone
+                self.populated[slot] = keep
+            self._settle(slot, warm)
+
+    def punch_queued(self, batch: list[tuple[int, int, bool]]) -> None:
+        """Punch *batch* now, on the calling thread."""
+        self.punched(batch, self.punch_many(batch))
 
     # -- prefaulting (the reserved arena) ---------------------------------------------------
     def to_prefault(self, nbytes: int) -> list[int]:
@@ -255,7 +320,9 @@ class DramArena:
 
     @property
     def free_slots(self) -> int:
-        return len(self._free) + len(self._warm)
+        # queued slots count (alloc punches one itself if it must); a batch a worker is
+        # punching right now does not
+        return len(self._free) + len(self._warm) + len(self._punching)
 
     def slot_view(self, slot: int, length: int) -> memoryview:
         off = slot * self.chunk_size
