@@ -204,8 +204,9 @@ def write_files(paths: list[str], size: int, blocks: Blocks, direct: bool,
 
 
 def read_files(paths: list[str], size: int, blocks: Blocks, buf: memoryview, direct: bool,
-               verify: bool) -> float:
-    """Seconds spent in open/read/close only; the check against the source is not timed."""
+               verify: bool, lat: list[float] | None = None) -> float:
+    """Seconds spent in open/read/close only; the check against the source is not timed.
+    Each file's time is appended to *lat*."""
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     target = buf[:size]
     got = np.frombuffer(buf, dtype=np.uint8, count=size)
@@ -222,7 +223,10 @@ def read_files(paths: list[str], size: int, blocks: Blocks, buf: memoryview, dir
                 pos += n
         finally:
             os.close(fd)
-        elapsed += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        elapsed += dt
+        if lat is not None:
+            lat.append(dt)
         if pos != size:
             raise BenchError(f"{path}: read {pos} bytes, expected {size}")
         if verify and not np.array_equal(
@@ -677,6 +681,15 @@ def summarize_profile(path: Path, top: int = 12) -> dict:
 
 
 # -- one measurement per configuration -------------------------------------------------------------
+def latency(lat: list[float]) -> dict:
+    """Per-file read latency percentiles (microseconds) of one pass."""
+    if not lat:
+        return {}
+    xs = sorted(lat)
+    return {"read_p50_us": xs[len(xs) // 2] * 1e6,
+            "read_p99_us": xs[min(len(xs) - 1, int(len(xs) * 0.99))] * 1e6}
+
+
 def result(size: int, n: int, t_write: float, t_read: float | None, **extra) -> dict:
     total = size * n
     return {"files": n, "bytes": total, "write_s": t_write, "read_s": t_read,
@@ -707,8 +720,9 @@ def run_plain(kind: str, size: int, n: int, blocks: Blocks, buf: memoryview, tmp
         paths = file_paths(str(root / "blocks"), n)
         t_write = write_files(paths, size, blocks, direct)
         dropped = drop_caches() if direct else None
-        t_read = read_files(paths, size, blocks, buf, direct, args.verify)
-        return result(size, n, t_write, t_read, caches_dropped=dropped)
+        lat: list[float] = []
+        t_read = read_files(paths, size, blocks, buf, direct, args.verify, lat)
+        return result(size, n, t_write, t_read, caches_dropped=dropped, **latency(lat))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -726,8 +740,10 @@ def run_null(size: int, n: int, blocks: Blocks, buf: memoryview, tmp: Path, args
             t_write = write_files(paths, size, blocks, direct=False)
         step = "read pass"
         with WATCHDOG.timed(step, args.timeout), prof.phase(f"{tag}-read", m.pid()):
-            t_read = read_files(paths, size, blocks, buf, direct=False, verify=args.verify)
-        return result(size, n, t_write, t_read)
+            lat: list[float] = []
+            t_read = read_files(paths, size, blocks, buf, direct=False, verify=args.verify,
+                                lat=lat)
+        return result(size, n, t_write, t_read, **latency(lat))
     except (OSError, BenchError, subprocess.SubprocessError) as exc:
         raise failure(m, step, exc, args.timeout) from None
     finally:
@@ -792,7 +808,10 @@ def run_kvfs(kind: str, size: int, n: int, blocks: Blocks, buf: memoryview, tmp:
         extra["before_read"] = tier_bytes(before)
         step = "read pass"
         with WATCHDOG.timed(step, args.timeout), prof.phase(f"{tag}-read", m.pid()):
-            t_read = read_files(paths, size, blocks, buf, direct=False, verify=args.verify)
+            lat: list[float] = []
+            t_read = read_files(paths, size, blocks, buf, direct=False, verify=args.verify,
+                                lat=lat)
+        extra.update(latency(lat))
         after = m.status()
         extra["read_chunks"] = {
             k: after["reads"][k] - before["reads"][k]
@@ -905,6 +924,7 @@ def measure(group: list[str], size: int, n: int, data: dict[str, Blocks], buf: m
 
 # -- reporting ---------------------------------------------------------------------------------
 METRICS = ("write_gibs", "read_gibs", "write_fps", "read_fps")
+LATENCY_METRICS = ("read_p50_us", "read_p99_us")  # lower is better
 
 
 def log(msg: str) -> None:
@@ -927,6 +947,10 @@ def aggregate(runs: dict, stat: str) -> dict:
             for k in METRICS:
                 values = [r[k] for r in rs if r[k] is not None]
                 out[size][cfg][k] = pick(values, stat) if values else None
+            for k in LATENCY_METRICS:
+                values = [r[k] for r in rs if r.get(k) is not None]
+                out[size][cfg][k] = ((min(values) if stat == "best" else
+                                      statistics.median(values)) if values else None)
             out[size][cfg]["files"] = rs[0]["files"]
             out[size][cfg]["runs"] = rs
         out[size]["stat"] = stat
@@ -1152,6 +1176,17 @@ def print_report(summary: dict, sizes: list[int], configs: list[str], header: li
                 rd = [r["read_gibs"] for r in s["runs"] if r["read_gibs"] is not None]
                 p(f"{fmt_size(size):>8}  {LABELS[cfg]:<{w}} {min(wr):5.2f}-{max(wr):<5.2f} | "
                   + (f"{min(rd):5.2f}-{max(rd):<5.2f}" if rd else "-"))
+    rows = [(size, cfg, summary[size][cfg]) for size in sizes for cfg in configs
+            if summary.get(size, {}).get(cfg, {}).get("read_p50_us") is not None]
+    if rows:
+        p()
+        p(f"Read latency per file (open + read + close, us; {stat} of the rounds' percentiles)")
+        last = None
+        for size, cfg, s in rows:
+            p(f"{fmt_size(size) if size != last else '':>8}  {LABELS[cfg]:<{w}} "
+              f"p50 {s['read_p50_us']:>8,.0f}  p99 {s['read_p99_us']:>8,.0f}  "
+              f"p99/p50 {s['read_p99_us'] / s['read_p50_us']:5.2f}")
+            last = size
     p()
     spread = repeat > 1
     if stat == "median":
