@@ -17,6 +17,7 @@ import sys
 import trio
 
 from kvfs.config import ConfigError, Settings, format_size
+from kvfs.profile import from_environment
 from kvfs.store.dram import is_tmpfs
 from kvfs.store.meta import FormatError
 
@@ -183,12 +184,15 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
     _tell(ready_fd, "ok")
     _notify_systemd(b"READY=1")
     code = 0
+    profile = from_environment()
     try:
-        trio.run(asm.run)
+        trio.run(asm.run, instruments=[profile] if profile else [])
     except BaseException:
         log.exception("daemon failed")
         code = 1
     finally:
+        if profile is not None:
+            profile.write()
         pyfuse3.close(unmount=True)
         try:
             asm.close()
