@@ -334,6 +334,7 @@ def mount_and_replay(mode: str, reqs: list[Request], blocks: Blocks, cap_blocks:
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if r.returncode:
         shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(dram, ignore_errors=True)  # the daemon may have made its arena already
         raise SystemExit(f"mount failed: {r.stderr}")
     try:
         replay(reqs, mnt, blocks, run, args)
