@@ -428,8 +428,10 @@ class ChunkStore:
                         done = await trio.to_thread.run_sync(self.dram.punch_many, batch,
                                                              limiter=self.limiter)
                     except BaseException:
-                        # counted as not punched: the slots come back with their pages
-                        self.dram.punched(batch, [False] * len(batch))
+                        try:  # cancelled before the thread ran: punch them here
+                            self.dram.punch_queued(batch)
+                        except Exception:  # counted as not punched: back with their pages
+                            self.dram.punched(batch, [False] * len(batch))
                         raise
                     self.dram.punched(batch, done)
         finally:
