@@ -241,17 +241,7 @@ class DramArena:
         """Worker thread: punch each queued slot beyond what it keeps. The slots belong to
         nobody meanwhile; no bookkeeping is touched here. Returns, per slot, whether its
         pages went (False: the kernel refused and the bytes were zeroed in place)."""
-        done = []
-        for slot, keep, _ in batch:
-            off = slot * self.chunk_size + keep
-            length = self.chunk_size - keep
-            try:
-                punch_hole(self.fd, off, length)
-                done.append(True)
-            except OSError:
-                self.map[off:off + length] = bytes(length)
-                done.append(False)
-        return done
+        return [self._drop_pages(slot, keep, self.chunk_size - keep) for slot, keep, _ in batch]
 
     def punched(self, batch: list[tuple[int, int, bool]], done: list[bool]) -> None:
         """The punches of *batch* are done: account for them and give the slots out again."""
@@ -306,17 +296,22 @@ class DramArena:
 
     def punch(self, slot: int, start: int, length: int) -> None:
         """Drop the pages of [start, start+length) of a slot (page-aligned start)."""
-        if length <= 0:
-            return
-        off = slot * self.chunk_size + start
-        try:
-            punch_hole(self.fd, off, length)
-        except OSError:
-            self.map[off:off + length] = bytes(length)  # same effect for readers, keeps the RAM
+        if length <= 0 or not self._drop_pages(slot, start, length):
             return
         if start + length >= self.populated[slot] > start:
             self.resident -= self.populated[slot] - start
             self.populated[slot] = start
+
+    def _drop_pages(self, slot: int, start: int, length: int) -> bool:
+        """The system call behind a punch (any thread; no bookkeeping). False: the kernel
+        refused, and the bytes were zeroed instead (same effect for readers, keeps the RAM)."""
+        off = slot * self.chunk_size + start
+        try:
+            punch_hole(self.fd, off, length)
+            return True
+        except OSError:
+            self.map[off:off + length] = bytes(length)
+            return False
 
     @property
     def free_slots(self) -> int:
