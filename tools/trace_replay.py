@@ -20,7 +20,13 @@ all of them, replays, and reports from `kvfsctl status` counters and client-side
   DRAM hits (reads sampled with `user.kvfs.where` just before reading, every --sample-every
   reads), plus the offline LRU and Belady (OPT) hit rates for the same trace and capacity.
 
+Two reference modes replay the same requests without kvfs, for the latency columns: `tmpfs`
+(a directory in /dev/shm: every block in DRAM, no FUSE) and `fuse-null` (tools/nullfs.py,
+the least a pyfuse3 filesystem can do, blocks kept in its memory: the FUSE floor). Both hold
+every block in RAM, so they need the replayed data's size free.
+
     python tools/trace_replay.py --requests 1500          # a prefix of the trace
+    python tools/trace_replay.py --requests 1500 --modes tmpfs,fuse-null,on
     python tools/trace_replay.py --block-size 64K --requests 400 --modes on
 """
 
@@ -44,6 +50,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+NULLFS = Path(__file__).resolve().parent / "nullfs.py"
+REFERENCES = ("tmpfs", "fuse-null")  # modes without kvfs: every read is a DRAM read
 TRACE = SHARED / "traces" / "mooncake_synthetic_trace.jsonl"
 KV_DATA = SHARED / "kv" / "smollm2_kv_fp16.npy"
 sys.path.insert(0, str(ROOT))
@@ -165,26 +173,31 @@ class Run:
 
 
 def status(mnt: Path) -> dict:
-    return json.loads(os.getxattr(mnt, "user.kvfs.status"))
+    """kvfs's counters ({} on a reference mode, which has none)."""
+    try:
+        return json.loads(os.getxattr(mnt, "user.kvfs.status"))
+    except OSError:
+        return {}
 
 
-def in_dram(path: str) -> bool | None:
+def in_dram(path: str, reference: bool) -> bool | None:
     try:
         w = json.loads(os.getxattr(path, "user.kvfs.where"))
-    except OSError:
-        return None
+    except OSError:  # a reference mode has no such xattr, but pays the same system call
+        return True if reference else None
     return all("dram" in c["tiers"] for c in w["chunks"])
 
 
 def do_request(req: Request, d: str, blocks: Blocks, run: Run, sample_every: int,
                counter: list[int]) -> None:
+    reference = run.mode in REFERENCES
     lat, hit, miss, miss_pos, wrong, errors = [], [], [], [], 0, 0
     bs = blocks.size
     for i, h in enumerate(req.reads):
         path = f"{d}/{h:010d}"
         counter[0] += 1  # racy across threads; only picks which reads are sampled
         sampled = sample_every and counter[0] % sample_every == 0
-        tier = in_dram(path) if sampled else None
+        tier = in_dram(path, reference) if sampled else None
         t0 = time.perf_counter()
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -281,7 +294,8 @@ def replay(reqs: list[Request], mnt: Path, blocks: Blocks, run: Run, args) -> No
         threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.workers)]
         for t in threads:
             t.start()
-    hints = start_hinter(d, args.hint_ahead) if args.hint_ahead else None
+    hints = (start_hinter(d, args.hint_ahead) if args.hint_ahead and run.mode not in REFERENCES
+             else None)
     t0_trace = reqs[0].ts if reqs else 0.0
     for i, req in enumerate(reqs):
         if args.arrival == "timestamps":
@@ -315,8 +329,35 @@ def replay(reqs: list[Request], mnt: Path, blocks: Blocks, run: Run, args) -> No
     run.after = status(mnt)
 
 
+def replay_reference(mode: str, reqs: list[Request], blocks: Blocks, args) -> Run:
+    """The same requests on tmpfs, or on fuse-null (tools/nullfs.py) mounted for the run."""
+    run = Run(mode)
+    base = Path(tempfile.mkdtemp(prefix=f"kvfs-replay-{mode}-",
+                                 dir="/dev/shm" if mode == "tmpfs" else args.work_dir))
+    proc = None
+    try:
+        if mode == "fuse-null":
+            proc = subprocess.Popen([sys.executable, str(NULLFS), str(base)], cwd="/",
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True)
+            deadline = time.monotonic() + 30
+            while not os.path.ismount(base):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("fuse-null did not mount")
+                time.sleep(0.02)
+        replay(reqs, base, blocks, run, args)
+    finally:
+        if proc is not None:
+            subprocess.run(["fusermount3", "-u", str(base)], capture_output=True, timeout=120)
+            proc.wait(timeout=120)
+        shutil.rmtree(base, ignore_errors=True)
+    return run
+
+
 def mount_and_replay(mode: str, reqs: list[Request], blocks: Blocks, cap_blocks: int,
                      unique: int, args) -> Run:
+    if mode in REFERENCES:
+        return replay_reference(mode, reqs, blocks, args)
     run = Run(mode)
     base = Path(tempfile.mkdtemp(prefix=f"kvfs-replay-{mode}-", dir=args.work_dir))
     mnt, nvme = base / "mnt", base / "nvme"
@@ -359,12 +400,19 @@ def pct(xs: list[float], q: float) -> float | None:
 
 def summarize(run: Run) -> dict:
     a, b = run.after, run.before
+    us = 1e6
+    if not a:  # a reference mode: latencies only
+        return {"mode": run.mode, "seconds": round(run.seconds, 1),
+                "block_reads": len(run.lat_all), "errors": run.errors, "wrong_bytes": run.wrong,
+                "p50_us": _r(pct(run.lat_all, 0.5), us), "p99_us": _r(pct(run.lat_all, 0.99), us),
+                "p999_us": _r(pct(run.lat_all, 0.999), us),
+                "hit_p50_us": _r(pct(run.lat_hit, 0.5), us),
+                "hit_p99_us": _r(pct(run.lat_hit, 0.99), us), "hit_samples": len(run.lat_hit)}
     rd = {k: a["reads"][k] - b["reads"][k] for k in ("chunks_from_dram", "chunks_from_nvme")}
     pf = {k: a["prefetch"][k] - b["prefetch"].get(k, 0)
           for k in ("issued_chunks", "used_chunks", "late_chunks", "wasted_chunks")}
     total = rd["chunks_from_dram"] + rd["chunks_from_nvme"]
     cs = a["settings"]["chunk_size"]
-    us = 1e6
     return {
         "mode": run.mode, "seconds": round(run.seconds, 1), "block_reads": len(run.lat_all),
         "chunk_reads": total, "errors": run.errors, "wrong_bytes": run.wrong,
@@ -430,6 +478,12 @@ def print_table(meta: dict, runs: list[dict], lru: float, opt: float) -> None:
     for s in runs:
         ratio = (f"{s['p99_us'] / s['hit_p50_us']:.2f}" if s["p99_us"] and s["hit_p50_us"]
                  else "-")
+        if s["mode"] in REFERENCES:
+            name = s["mode"] + (" (FUSE floor)" if s["mode"] == "fuse-null" else "")
+            print(f"{name:22} {'-':>8} {'-':>8} {'-':>8} {'-':>10} {_n(s['p50_us']):>7} "
+                  f"{_n(s['p99_us']):>7} {_n(s['hit_p50_us']):>7} {ratio:>10} "
+                  f"{s['seconds']:>6}")
+            continue
         name = f"kvfs prediction {s['mode']}"
         wasted = format_size(s["wasted_bytes"]) if s["prefetch_issued"] else "-"
         print(f"{name:22} {_p(s['dram_hit_rate']):>8} {_p(s['on_time_rate']):>8} "
@@ -449,7 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", default="256K")
     p.add_argument("--chunk-size", default=None, help="kvfs chunk size (default: block size)")
     p.add_argument("--dram-pct", type=float, default=5.0)
-    p.add_argument("--modes", default="on,off", help="on, off or on,off")
+    p.add_argument("--modes", default="on,off",
+                   help="comma-separated: on, off (kvfs with prediction on or off), tmpfs, "
+                        "fuse-null (references without kvfs)")
     p.add_argument("--arrival", choices=("fast", "timestamps"), default="fast")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="with --arrival timestamps: replay this many times faster")
