@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 
 import trio
 
+from kvfs.store.chunkstore import WRITEBACK_BATCH
+
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int]
@@ -120,7 +122,7 @@ class Demoter:
     CLEAN_RUN = 16
 
     def __init__(self, store, *, high: float, low: float, writeback_age: float,
-                 parallel: int = 4) -> None:
+                 parallel: int = 2) -> None:
         self.store = store
         self.high = high
         self.low = low
@@ -156,25 +158,42 @@ class Demoter:
 
     async def demote_until(self, mark: float) -> None:
         self.passes += 1
-        s = self.store
         self._leaving = 0
         self._inflight: set[Key] = set()
         async with trio.open_nursery() as nursery:
-            limiter = trio.Semaphore(self.parallel)
-            while self.over(mark, self._leaving) or (s.space_waiters and not self._leaving):
+            limiter = trio.Semaphore(self.parallel)  # batches in flight
+            while self._wanted(mark):
                 await limiter.acquire()
-                key = s.policy.next_victim(self._inflight)
-                if key is None:
+                batch, exhausted = self._take_victims(mark)
+                if batch:
+                    nursery.start_soon(self._writeback, batch, limiter)
+                else:
                     limiter.release()
+                if exhausted:
                     break
-                if s.is_clean(key):
-                    limiter.release()
-                    self._drop_clean_run(key, mark)
-                    continue
-                size = s.dram_pages(key)
-                self._leaving += size
-                self._inflight.add(key)
-                nursery.start_soon(self._writeback, key, limiter, size)
+
+    def _wanted(self, mark: float) -> bool:
+        """Is more to be demoted: DRAM above *mark*, or a write waiting and nothing leaving?"""
+        return self.over(mark, self._leaving) or bool(self.store.space_waiters
+                                                      and not self._leaving)
+
+    def _take_victims(self, mark: float) -> tuple[list[tuple[Key, int]], bool]:
+        """Up to WRITEBACK_BATCH dirty victims (clean ones met on the way are dropped at
+        once), each counted as leaving; and whether the policy ran out of victims."""
+        s = self.store
+        batch: list[tuple[Key, int]] = []
+        while len(batch) < WRITEBACK_BATCH and self._wanted(mark):
+            key = s.policy.next_victim(self._inflight)
+            if key is None:
+                return batch, True
+            if s.is_clean(key):
+                self._drop_clean_run(key, mark)
+                continue
+            size = s.dram_pages(key)
+            self._leaving += size
+            self._inflight.add(key)
+            batch.append((key, size))
+        return batch, False
 
     def _drop_clean_run(self, key: Key, mark: float) -> None:
         """Drop the clean DRAM copy of *key* and of the victims after it while they are clean
@@ -193,14 +212,16 @@ class Demoter:
                 if key is None or not s.is_clean(key):
                     return
 
-    async def _writeback(self, key: Key, limiter: trio.Semaphore, size: int) -> None:
+    async def _writeback(self, batch: list[tuple[Key, int]], limiter: trio.Semaphore) -> None:
         try:
-            await self.store.writeback(key, drop=True)
-        except Exception as exc:  # NoSpace and I/O errors: the chunk stays dirty in DRAM
-            log.warning("demotion of chunk %s failed: %s", key, exc)
+            await self.store.writeback_many([key for key, _ in batch], drop=True)
+        except Exception as exc:  # NoSpace and I/O errors: the chunks stay dirty in DRAM
+            log.warning("demotion of %d chunks (%s first) failed: %s", len(batch), batch[0][0],
+                        exc)
         finally:
-            self._leaving -= size
-            self._inflight.discard(key)
+            for key, size in batch:
+                self._leaving -= size
+                self._inflight.discard(key)
             limiter.release()
             self.store.notify_space()
 
@@ -209,11 +230,11 @@ class Demoter:
         s = self.store
         cutoff = time.monotonic() - self.writeback_age
         old = [k for k, t in s.dirty_since.items() if t < cutoff]
-        for key in old:
+        for i in range(0, len(old), WRITEBACK_BATCH):
             try:
-                await s.writeback(key, drop=False)
+                await s.writeback_many(old[i:i + WRITEBACK_BATCH], drop=False)
             except Exception as exc:
-                log.warning("writeback of chunk %s failed: %s", key, exc)
+                log.warning("writeback of chunk %s failed: %s", old[i], exc)
                 return
 
 

@@ -152,6 +152,38 @@ def test_remount_keeps_everything(kv):
     _check(kv, files)
 
 
+def test_writes_racing_batched_demotion_keep_the_newest_bytes(kv):
+    """Demotion writes chunks back in batches (ChunkStore.writeback_many): chunks rewritten
+    while their batch is being compressed or written must keep the new bytes, and a file's
+    chunks in one batch share one codec choice."""
+    import threading
+
+    many = {f"m{i}": os.urandom(CHUNK) for i in range(48)}  # 3 MiB, single-chunk files
+    wide = bytes(range(256)) * (12 * CHUNK // 256)  # 12 compressible chunks of one file
+    (kv.path / "wide").write_bytes(wide)
+    for name, data in many.items():
+        (kv.path / name).write_bytes(data)
+    newer = {name: os.urandom(CHUNK) for name in list(many)[::3]}
+
+    def rewrite() -> None:
+        for name, data in newer.items():
+            with open(kv.path / name, "r+b") as f:
+                f.write(data)
+
+    t = threading.Thread(target=rewrite)
+    t.start()
+    flood = _fill(kv, "flood", 48, CHUNK)  # keeps the demoter busy meanwhile
+    t.join()
+    many.update(newer)
+    assert kv.status()["moves"]["demotions"] >= 48
+    stored = [c["codec"] for c in kv.where("wide") if "nvme" in c["tiers"]]
+    assert len(set(stored)) <= 1, stored
+    _check(kv, {**many, **flood, "wide": wide})
+    kv.unmount()
+    kv.start()
+    _check(kv, {**many, **flood, "wide": wide})
+
+
 def test_sigkill_keeps_unsynced_data(kv):
     files = _fill(kv, "f", 20, 150_000)
     fd = os.open(kv.path / "open-while-killed", os.O_CREAT | os.O_WRONLY)
