@@ -10,6 +10,7 @@ request waiting behind it pays. Cost: ~2 us per step; off by default.
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 import os
 import time
@@ -19,6 +20,7 @@ import trio
 log = logging.getLogger(__name__)
 
 LONG_STEP_S = 0.001
+LONGEST = 10
 
 
 def _where(task: trio.lowlevel.Task, depth: int = 3) -> str:
@@ -41,6 +43,7 @@ class StepProfile(trio.abc.Instrument):
         self.long_s: collections.Counter[str] = collections.Counter()
         self.long: collections.Counter[str] = collections.Counter()
         self.histogram = [0] * 24  # bucket k: steps of [2^(k-1), 2^k) us
+        self.longest: list[tuple[float, str]] = []  # a min-heap of the LONGEST longest steps
         self._t0 = 0.0
         self._before = ""
         self._io0 = 0.0
@@ -58,6 +61,11 @@ class StepProfile(trio.abc.Instrument):
             key = f"{self._before}  ==>  {_where(task)}"
             self.long[key] += 1
             self.long_s[key] += dt
+            entry = (dt, f"{task.name}: {key}")
+            if len(self.longest) < LONGEST:
+                heapq.heappush(self.longest, entry)
+            elif dt > self.longest[0][0]:
+                heapq.heapreplace(self.longest, entry)
 
     def before_io_wait(self, timeout: float) -> None:
         self._io0 = time.perf_counter()
@@ -73,6 +81,9 @@ class StepProfile(trio.abc.Instrument):
                  f"steps over {LONG_STEP_S * 1e3:g} ms (suspended at ==> next suspended at):"]
         for key, n in self.long.most_common(20):
             lines.append(f"  {n:7d} {self.long_s[key] * 1e3:9.1f} ms  {key}")
+        lines.append(f"the {LONGEST} longest steps:")
+        for dt, what in sorted(self.longest, reverse=True):
+            lines.append(f"  {dt * 1e3:9.2f} ms  {what}")
         lines.append("step time by where the step began:")
         for key, t in self.step_s.most_common(30):
             n = self.steps[key]
