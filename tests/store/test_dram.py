@@ -4,6 +4,7 @@ drops once the punch is done, and nothing queued is forgotten."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import uuid
 
@@ -84,3 +85,22 @@ def test_without_deferral_a_free_punches_at_once(arena):
     before = arena.resident
     arena.free(slots[0], CS)
     assert arena.pending_punches == 0 and arena.resident == before - CS
+
+
+def test_prefaulted_slots_hold_their_pages_and_stay_zero_filled():
+    directory = f"/dev/shm/kvfs-test-dram-{uuid.uuid4().hex[:8]}"
+    a = DramArena(directory, "test", CS, 4 * CS)
+    try:
+        a.adopt({})
+        before = os.stat(a.path).st_blocks
+        slots = a.to_prefault(4 * CS)
+        assert len(slots) == 4
+        a.fill(slots)  # each page faulted in, as a write would
+        a.prefaulted(slots)
+        assert os.stat(a.path).st_blocks - before == 4 * CS // 512
+        assert a.resident == a.warm_bytes == 4 * CS
+        s = a.alloc(CS)
+        assert s in slots and bytes(a.slot_view(s, CS)) == bytes(CS)
+    finally:
+        a.close()
+        shutil.rmtree(directory, ignore_errors=True)
