@@ -763,6 +763,7 @@ class ChunkStore:
             if loc is None or loc.dram_slot < 0:
                 planned.append((c, self.dram.alloc(stop), start, stop, loc))
             else:
+                self.dram.grow(loc.dram_slot, stop)  # the shim writes up to *stop*
                 planned.append((c, loc.dram_slot, start, stop, loc))
         return WritePlan(ino, planned)
 

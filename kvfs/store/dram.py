@@ -115,6 +115,11 @@ class DramArena:
         # Bytes of pages populated per slot (what its owners wrote since the last punch).
         self.populated = [0] * self.nslots
         self.resident = 0  # sum of populated: the arena's RAM
+        # Bytes of pages a used slot's owner may hold (its chunk's length, page-rounded); a
+        # used slot populated beyond that (a small chunk in a prefaulted slot) is *fat*: its
+        # tail is RAM nobody reads, trimmed when the arena is over its capacity.
+        self.need = [0] * self.nslots
+        self._fat: set[int] = set()
         self.warm_bytes = 0  # ... of which in warm slots
         self.warm_max = capacity if prefault else int(WARM_SHARE * capacity)
         self._used_slots: set[int] = set()
@@ -123,14 +128,18 @@ class DramArena:
         self._leaving = 0  # bytes those punches will give back
         self.defer_punches = False
         self.on_punch_queued = lambda: None
+        self.trimmed = 0  # fat slots' tails punched
 
     def adopt(self, used: dict[int, int]) -> None:
         """Start bookkeeping from the slots lmdb says are owned ({slot: bytes}); the others
         are free, warm where the surviving arena still has their pages."""
         self._used_slots = set(used)
         self.populated = self._scan_populated() if self.survived else [0] * self.nslots
+        self.need = [0] * self.nslots
         for s, length in used.items():
-            self.populated[s] = max(self.populated[s], pages(length))
+            self.need[s] = pages(length)
+            self.populated[s] = max(self.populated[s], self.need[s])
+        self._fat = {s for s in used if self.populated[s] > self.need[s]}
         self.resident = sum(self.populated)
         self._warm, self._free, self.warm_bytes = deque(), [], 0
         for s in range(self.nslots - 1, -1, -1):
@@ -187,16 +196,36 @@ class DramArena:
         else:
             raise DramFull()
         self._used_slots.add(slot)
-        self._populate(slot, length)
-        if self.resident - self._leaving > self.capacity and self.populated[slot] > pages(length):
-            self.punch(slot, pages(length), self.chunk_size - pages(length))
+        self.need[slot] = 0
+        self.grow(slot, length)
+        if self.populated[slot] > self.need[slot]:
+            self._fat.add(slot)
+        self._trim()
         return slot
+
+    def grow(self, slot: int, end: int) -> None:
+        """The owner of *slot* may now hold bytes up to *end* (it writes there next)."""
+        if pages(end) > self.need[slot]:
+            self.need[slot] = pages(end)
+            if self.need[slot] >= self.populated[slot]:
+                self._fat.discard(slot)
+        self._populate(slot, end)
 
     def _populate(self, slot: int, end: int) -> None:
         grown = pages(end) - self.populated[slot]
         if grown > 0:
             self.populated[slot] += grown
             self.resident += grown
+        if self.resident - self._leaving > self.capacity:
+            self._trim()
+
+    def _trim(self) -> None:
+        """Over the capacity: punch fat slots' unused tails (on this thread: the owner may
+        write into its slot right after) until the arena is within it again."""
+        while self._fat and self.resident - self._leaving > self.capacity:
+            slot = self._fat.pop()
+            self.punch(slot, self.need[slot], self.chunk_size - self.need[slot])
+            self.trimmed += 1
 
     def free(self, slot: int, length: int) -> None:
         """Give the slot back: warm (still populated) while the RAM budget allows, else
@@ -204,6 +233,8 @@ class DramArena:
         the slot stays warm for the next chunk (a small chunk in a prefaulted slot would
         otherwise make every later free punch a whole slot, and every alloc fault it in)."""
         self._used_slots.discard(slot)
+        self._fat.discard(slot)
+        self.need[slot] = 0
         held = self.populated[slot]
         resident = self.resident - self._leaving
         keep = held
@@ -306,8 +337,8 @@ class DramArena:
         """Copy *data* into a slot at *start*. pwrite, not the mapping: the kernel fills fresh
         tmpfs pages without a page fault per 4 KiB."""
         off = slot * self.chunk_size + start
+        self.grow(slot, start + len(data))
         done = os.pwrite(self.fd, data, off)
-        self._populate(slot, start + done)
         if done != len(data):  # tmpfs writes are never short unless memory ran out
             raise OSError(errno.ENOSPC, f"short write to the DRAM arena ({done}/{len(data)})")
 

@@ -104,3 +104,34 @@ def test_prefaulted_slots_hold_their_pages_and_stay_zero_filled():
     finally:
         a.close()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_small_chunks_in_prefaulted_slots_keep_the_arena_within_its_capacity():
+    """Prefaulted slots hold whole chunks' pages; quarter-size chunks in them leave tails
+    nobody reads. When more chunks come than prefaulted slots, those tails are trimmed so
+    the arena's RAM stays within its capacity, and no chunk loses a byte."""
+    directory = f"/dev/shm/kvfs-test-dram-{uuid.uuid4().hex[:8]}"
+    a = DramArena(directory, "test", CS, 4 * CS)
+    try:
+        a.adopt({})
+        slots = a.to_prefault(4 * CS)
+        a.fill(slots)
+        a.prefaulted(slots)
+        quarter = CS // 4
+        owned = []
+        for i in range(12):  # 12 x CS/4 = 3 x CS of data in a 4 x CS arena
+            s = a.alloc(quarter)
+            a.write(s, 0, bytes([i + 1]) * quarter)
+            owned.append(s)
+            assert a.resident <= a.capacity
+            assert os.stat(a.path).st_blocks * 512 == a.resident
+        assert a.trimmed >= 3
+        for i, s in enumerate(owned):
+            assert bytes(a.slot_view(s, quarter)) == bytes([i + 1]) * quarter
+        s = owned[0]  # an owner that grows its chunk in place gets its pages counted
+        a.grow(s, CS)
+        a.slot_view(s, CS)[quarter:] = b"x" * (CS - quarter)
+        assert os.stat(a.path).st_blocks * 512 == a.resident
+    finally:
+        a.close()
+        shutil.rmtree(directory, ignore_errors=True)
