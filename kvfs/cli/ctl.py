@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import sys
 
 from kvfs.config import format_size
@@ -148,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("prefetch", help="stage files in DRAM ahead of reading them")
     p.add_argument("paths", nargs="+", metavar="PATH")
     args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except BrokenPipeError:  # `kvfsctl status M | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "status":
         st = get_status(args.mountpoint)
         print(json.dumps(st, indent=1)) if args.json else print_status(st)
