@@ -12,6 +12,7 @@ DRAM can hold; its overflow falls back to probation's tail and gets one more cha
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 Key = tuple[int, int]
 # Reused data may fill most of DRAM, but new writes always keep some room to land in.
 PROTECTED_SHARE = 0.8
+# When every DRAM chunk is one readahead wants, the demoter compares this many of the coldest.
+KEPT_SCAN = 256
 
 
 class DramPolicy:
@@ -40,6 +43,9 @@ class DramPolicy:
         # chunk again in time - a hit protects it at the cold end of protected, so it is
         # the first to fall back (reads nothing predicts keep their place).
         self.keep: Callable[[Key], bool] = _no
+        # deadline(key): when a kept key is predicted to be read (None: not predicted). When
+        # only kept keys are left, the one wanted last goes first.
+        self.deadline: Callable[[Key], float | None] = _never
         self.cheap: Callable[[Key], bool] = _no
         # unpredicted(key): a demand read that no prediction saw coming is bringing this chunk
         # in from NVMe. It enters protected like a hit: it was reused (written, then read),
@@ -82,31 +88,40 @@ class DramPolicy:
 
     def victims(self) -> Iterator[Key]:
         """Keys in eviction order (a snapshot: safe while the caller changes the policy).
-        Keys readahead wants kept come last."""
+        Keys readahead wants kept come last, the one wanted last first."""
         kept = []
         for key in list(self.probation) + list(self.protected):
             if self.keep(key):
                 kept.append(key)
             else:
                 yield key
-        yield from kept
+        yield from sorted(kept, key=self._wanted_at, reverse=True)
+
+    def _wanted_at(self, key: Key) -> float:
+        d = self.deadline(key)
+        return math.inf if d is None else d
 
     def next_victim(self, skip: set[Key]) -> Key | None:
         """The coldest key not in *skip*, looking at the live queues; a key readahead wants
-        kept only if there is no other."""
-        kept = None
+        kept only if there is no other, and then the one wanted last (of the coldest
+        KEPT_SCAN)."""
+        kept: list[Key] = []
         for queue in (self.probation, self.protected):
             for key in queue:
                 if key not in skip:
                     if not self.keep(key):
                         return key
-                    if kept is None:
-                        kept = key
-        return kept
+                    if len(kept) < KEPT_SCAN:
+                        kept.append(key)
+        return max(kept, key=self._wanted_at, default=None)
 
 
 def _no(key: Key) -> bool:
     return False
+
+
+def _never(key: Key) -> float | None:
+    return None
 
 
 class Demoter:

@@ -124,6 +124,7 @@ class Readahead:
         self.hints_ignored = 0
         if self.enabled:
             store.policy.keep = self.sched.wanted
+            store.policy.deadline = self.sched.deadline
             store.policy.cheap = self._take_cheap
             store.policy.unpredicted = self._take_unpredicted
 
