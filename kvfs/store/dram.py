@@ -7,12 +7,11 @@ slower than into populated ones on the machines we measured (0.76 vs 3.0 GiB/s).
 arena keeps pages: a freed slot stays *warm* (populated), and with `prefault` (the default)
 the arena reserves its whole capacity up front, as inference engines do with their pinned
 host-memory pools: a background task faults free slots in until the arena's RAM reaches the
-capacity, and writes and NVMe reads then copy into populated pages. A used slot populated
-past its chunk's length is *fat*; over the capacity, fat slots' tails are trimmed. Without `prefault`,
-warm slots hold at most WARM_SHARE of the capacity and the rest of a freed slot's RAM goes
-back at once. Either way the arena's RAM (`resident`) never exceeds the capacity: a small
-chunk placed in a fully populated slot has the slot's unused tail punched when the arena is
-over budget.
+capacity, and writes and NVMe reads then copy into populated pages. A small chunk in a
+whole populated slot leaves the slot *fat* (populated past its chunk); over the capacity,
+fat slots' tails are trimmed. Without `prefault`, warm slots hold at most WARM_SHARE of the
+capacity and the rest of a freed slot's RAM goes back at once. Either way the arena's RAM
+(`resident`) stays within the capacity.
 Warm slots hold stale bytes past their new owner's length; the store never reads past a
 chunk's length and zeroes any gap it creates (see ChunkStore._apply_write).
 Punching a freed slot's pages takes tens of microseconds (tmpfs frees page by page), and a
