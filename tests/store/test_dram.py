@@ -4,6 +4,7 @@ drops once the punch is done, and nothing queued is forgotten."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import uuid
@@ -132,6 +133,27 @@ def test_small_chunks_in_prefaulted_slots_keep_the_arena_within_its_capacity():
         a.grow(s, CS)
         a.slot_view(s, CS)[quarter:] = b"x" * (CS - quarter)
         assert os.stat(a.path).st_blocks * 512 == a.resident
+    finally:
+        a.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_prefault_falls_back_to_fallocate_on_kernels_without_populate_write(monkeypatch):
+    import kvfs.store.dram as dram
+
+    def no_populate(address, length):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(dram, "populate_write", no_populate)
+    directory = f"/dev/shm/kvfs-test-dram-{uuid.uuid4().hex[:8]}"
+    a = DramArena(directory, "test", CS, 4 * CS)
+    try:
+        a.adopt({})
+        slots = a.to_prefault(4 * CS)
+        a.fill(slots)
+        a.prefaulted(slots)
+        assert not a._populate_by_madvise
+        assert os.stat(a.path).st_blocks * 512 == a.resident == 4 * CS
     finally:
         a.close()
         shutil.rmtree(directory, ignore_errors=True)
