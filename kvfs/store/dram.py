@@ -329,7 +329,8 @@ class DramArena:
                 self.populated[s] = self.chunk_size
                 self._warm.appendleft(s)  # behind the recently freed ones, still in cache
                 self.warm_bytes += self.chunk_size
-            else:
+            else:  # a fill cut short (tmpfs full) may have left some pages: drop them
+                self._drop_pages(s, 0, self.chunk_size)
                 self.resident -= self.chunk_size
                 self._free.append(s)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import subprocess
 import uuid
 
 import pytest
@@ -157,3 +158,23 @@ def test_prefault_falls_back_to_fallocate_on_kernels_without_populate_write(monk
     finally:
         a.close()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_prefault_into_a_full_tmpfs_is_an_error_not_a_crash(tmp_path):
+    """MADV_POPULATE_WRITE reports a full tmpfs as EFAULT (no SIGBUS); the slots go back
+    empty, and nothing counts pages the arena does not hold."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        a = DramArena(str(mnt / "arena"), "test", 1 << 20, 4 << 20)
+        a.adopt({})
+        slots = a.to_prefault(4 << 20)
+        with pytest.raises(OSError):
+            a.fill(slots)
+        a.prefaulted(slots, ok=False)
+        assert a.resident == 0 and os.stat(a.path).st_blocks == 0
+        a.close()
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
