@@ -89,75 +89,69 @@ def test_without_deferral_a_free_punches_at_once(arena):
     assert arena.pending_punches == 0 and arena.resident == before - CS
 
 
-def test_prefaulted_slots_hold_their_pages_and_stay_zero_filled():
+@pytest.fixture
+def reserved():
+    """An arena with prefault on (the daemon's default), its slots not populated yet."""
     directory = f"/dev/shm/kvfs-test-dram-{uuid.uuid4().hex[:8]}"
     a = DramArena(directory, "test", CS, 4 * CS)
-    try:
-        a.adopt({})
-        before = os.stat(a.path).st_blocks
-        slots = a.to_prefault(4 * CS)
-        assert len(slots) == 4
-        a.fill(slots)  # each page faulted in, as a write would
-        a.prefaulted(slots)
-        assert os.stat(a.path).st_blocks - before == 4 * CS // 512
-        assert a.resident == a.warm_bytes == 4 * CS
-        s = a.alloc(CS)
-        assert s in slots and bytes(a.slot_view(s, CS)) == bytes(CS)
-    finally:
-        a.close()
-        shutil.rmtree(directory, ignore_errors=True)
+    a.adopt({})
+    yield a
+    a.close()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
-def test_small_chunks_in_prefaulted_slots_keep_the_arena_within_its_capacity():
+def prefault(a: DramArena) -> list[int]:
+    """What ChunkStore.prefault_dram does, on this thread."""
+    slots = a.to_prefault(a.capacity)
+    a.fill(slots)
+    a.prefaulted(slots)
+    return slots
+
+
+def test_prefaulted_slots_hold_their_pages_and_stay_zero_filled(reserved):
+    before = os.stat(reserved.path).st_blocks
+    slots = prefault(reserved)  # each page faulted in, as a write would
+    assert len(slots) == 4
+    assert os.stat(reserved.path).st_blocks - before == 4 * CS // 512
+    assert reserved.resident == reserved.warm_bytes == 4 * CS
+    s = reserved.alloc(CS)
+    assert s in slots and bytes(reserved.slot_view(s, CS)) == bytes(CS)
+
+
+def test_small_chunks_in_prefaulted_slots_keep_the_arena_within_its_capacity(reserved):
     """Prefaulted slots hold whole chunks' pages; quarter-size chunks in them leave tails
     nobody reads. When more chunks come than prefaulted slots, those tails are trimmed so
     the arena's RAM stays within its capacity, and no chunk loses a byte."""
-    directory = f"/dev/shm/kvfs-test-dram-{uuid.uuid4().hex[:8]}"
-    a = DramArena(directory, "test", CS, 4 * CS)
-    try:
-        a.adopt({})
-        slots = a.to_prefault(4 * CS)
-        a.fill(slots)
-        a.prefaulted(slots)
-        quarter = CS // 4
-        owned = []
-        for i in range(12):  # 12 x CS/4 = 3 x CS of data in a 4 x CS arena
-            s = a.alloc(quarter)
-            a.write(s, 0, bytes([i + 1]) * quarter)
-            owned.append(s)
-            assert a.resident <= a.capacity
-            assert os.stat(a.path).st_blocks * 512 == a.resident
-        assert a.trimmed >= 3
-        for i, s in enumerate(owned):
-            assert bytes(a.slot_view(s, quarter)) == bytes([i + 1]) * quarter
-        s = owned[0]  # an owner that grows its chunk in place gets its pages counted
-        a.grow(s, CS)
-        a.slot_view(s, CS)[quarter:] = b"x" * (CS - quarter)
+    a = reserved
+    prefault(a)
+    quarter = CS // 4
+    owned = []
+    for i in range(12):  # 12 x CS/4 = 3 x CS of data in a 4 x CS arena
+        s = a.alloc(quarter)
+        a.write(s, 0, bytes([i + 1]) * quarter)
+        owned.append(s)
+        assert a.resident <= a.capacity
         assert os.stat(a.path).st_blocks * 512 == a.resident
-    finally:
-        a.close()
-        shutil.rmtree(directory, ignore_errors=True)
+    assert a.trimmed >= 3
+    for i, s in enumerate(owned):
+        assert bytes(a.slot_view(s, quarter)) == bytes([i + 1]) * quarter
+    s = owned[0]  # an owner that grows its chunk in place gets its pages counted
+    a.grow(s, CS)
+    a.slot_view(s, CS)[quarter:] = b"x" * (CS - quarter)
+    assert os.stat(a.path).st_blocks * 512 == a.resident
 
 
-def test_prefault_falls_back_to_fallocate_on_kernels_without_populate_write(monkeypatch):
+def test_prefault_falls_back_to_fallocate_on_kernels_without_populate_write(reserved,
+                                                                           monkeypatch):
     import kvfs.store.dram as dram
 
     def no_populate(address, length):
         raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setattr(dram, "populate_write", no_populate)
-    directory = f"/dev/shm/kvfs-test-dram-{uuid.uuid4().hex[:8]}"
-    a = DramArena(directory, "test", CS, 4 * CS)
-    try:
-        a.adopt({})
-        slots = a.to_prefault(4 * CS)
-        a.fill(slots)
-        a.prefaulted(slots)
-        assert not a._populate_by_madvise
-        assert os.stat(a.path).st_blocks * 512 == a.resident == 4 * CS
-    finally:
-        a.close()
-        shutil.rmtree(directory, ignore_errors=True)
+    prefault(reserved)
+    assert not reserved._populate_by_madvise
+    assert os.stat(reserved.path).st_blocks * 512 == reserved.resident == 4 * CS
 
 
 def test_prefault_into_a_full_tmpfs_is_an_error_not_a_crash(tmp_path):
