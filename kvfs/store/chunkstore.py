@@ -605,25 +605,26 @@ class ChunkStore:
             await pending.wait()
             return None
         done = self._fetching[key] = trio.Event()
-        slot = -1
+        slot = unfaulted = -1
         filling = pages(loc.raw_len)
         try:
             target = None
             if stage is not None and self.promotion_room(filling, stage):
-                slot = self.dram.alloc(loc.raw_len)
+                slot, unfaulted = self.dram.alloc_unfaulted(loc.raw_len)
                 self.dram_filling += filling
                 target = self.dram.slot_view(slot, loc.raw_len)
             seg = self.nvme.pin(loc.seg)
             try:
-                data = await trio.to_thread.run_sync(self._read_record, ino, c, loc, seg,
-                                                     target, limiter=limiter or self.limiter)
+                data = await trio.to_thread.run_sync(self._read_to_slot, ino, c, loc, seg,
+                                                     (slot, unfaulted), target,
+                                                     limiter=limiter or self.limiter)
             finally:
                 self.nvme.unpin(seg)
             now = self.get(ino, c)
             if now is None or now.seq != loc.seq:
                 return None
             if slot >= 0:
-                if now.dram_slot >= 0:
+                if data is not target or now.dram_slot >= 0:
                     return bytes(data)  # resident meanwhile: our slot is freed below
                 self.dram_filling -= filling
                 with self.meta.write() as txn:
@@ -637,6 +638,17 @@ class ChunkStore:
                 self.dram.free(slot, loc.raw_len)
             del self._fetching[key]
             done.set()
+
+    def _read_to_slot(self, ino: int, c: int, loc: Loc, seg, slot: tuple[int, int],
+                      target: memoryview | None) -> bytes | memoryview:
+        """Worker thread: `_read_record` into a DRAM slot's pages if the tmpfs can give them
+        (a write through the mapping to a page it cannot give would be SIGBUS), else into a
+        buffer: the chunk is then read but not staged. *slot*: (slot, first unpopulated
+        byte), from `DramArena.alloc_unfaulted`."""
+        if target is not None and not self.dram.ensure_pages(*slot, loc.raw_len):
+            log.warning("DRAM tier: its tmpfs has no room for a chunk's pages; not staged")
+            target = None
+        return self._read_record(ino, c, loc, seg, target)
 
     def _read_record(self, ino: int, c: int, loc: Loc, seg, target: memoryview | None
                      ) -> bytes | memoryview:

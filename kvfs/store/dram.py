@@ -186,6 +186,11 @@ class DramArena:
     # -- allocation ------------------------------------------------------------------------
     def alloc(self, length: int = 0) -> int:
         """Take a free slot, populated if possible, for a chunk of up to *length* bytes."""
+        return self.alloc_unfaulted(length)[0]
+
+    def alloc_unfaulted(self, length: int) -> tuple[int, int]:
+        """`alloc`, and where in the slot its pages stop being populated (>= *length*: all
+        are), for a caller that will write through the mapping (see `ensure_pages`)."""
         if not self._warm and not self._free and self._punching:
             self.punch_queued([self._punching.pop()])  # the last free slots wait for a punch
         if self._warm:
@@ -197,11 +202,12 @@ class DramArena:
             raise DramFull()
         self._used_slots.add(slot)
         self.need[slot] = 0
+        held = self.populated[slot]
         self.grow(slot, length)
         if self.populated[slot] > self.need[slot]:
             self._fat.add(slot)
         self._trim()
-        return slot
+        return slot, held
 
     def grow(self, slot: int, end: int) -> None:
         """The owner of *slot* may now hold bytes up to *end* (it writes there next)."""
@@ -367,6 +373,23 @@ class DramArena:
         # queued slots count (alloc punches one itself if it must); a batch a worker is
         # punching right now does not
         return len(self._free) + len(self._warm) + len(self._punching)
+
+    def ensure_pages(self, slot: int, start: int, length: int) -> bool:
+        """Make the pages of [start, length) of a slot present before they are written
+        through the mapping (any thread; *start* from `alloc_unfaulted`). False: the tmpfs
+        has no room for them (the write would have been SIGBUS). Before Linux 5.14 this
+        cannot be checked: True."""
+        if start >= length or not self._populate_by_madvise:
+            return True
+        try:
+            populate_write(self._base + slot * self.chunk_size + start,
+                           pages(length) - start)
+            return True
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                self._populate_by_madvise = False
+                return True
+            return False
 
     def slot_view(self, slot: int, length: int) -> memoryview:
         off = slot * self.chunk_size

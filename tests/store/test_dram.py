@@ -169,6 +169,13 @@ def test_prefault_into_a_full_tmpfs_is_an_error_not_a_crash(tmp_path):
             a.fill(slots)
         a.prefaulted(slots, ok=False)
         assert a.resident == 0 and os.stat(a.path).st_blocks == 0
+        # a decode into a slot asks for its pages first: a full tmpfs is a False, not SIGBUS
+        s, start = a.alloc_unfaulted(512 << 10)
+        assert start == 0 and a.ensure_pages(s, start, 512 << 10)
+        with open(mnt / "filler", "wb") as f:  # someone else fills the tmpfs
+            with pytest.raises(OSError):
+                f.write(bytes(1 << 20))
+        assert not a.ensure_pages(*a.alloc_unfaulted(512 << 10), 512 << 10)
         a.close()
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
