@@ -318,15 +318,22 @@ class DramArena:
         into a faulted-in one ~45 us; `tools/bench_fs.py --configs kvfs-dram` writes)."""
         cs = self.chunk_size
         for s in slots:
-            if self._populate_by_madvise:
-                try:
-                    populate_write(self._base + s * cs, cs)
-                    continue
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    self._populate_by_madvise = False  # before Linux 5.14
-            os.posix_fallocate(self.fd, s * cs, cs)
+            if not self._fault_in(s * cs, cs):
+                os.posix_fallocate(self.fd, s * cs, cs)
+
+    def _fault_in(self, offset: int, length: int) -> bool:
+        """Write-fault the arena's pages of [offset, offset+length) in (MADV_POPULATE_WRITE).
+        False: this kernel (before 5.14) cannot; OSError: the tmpfs has no room (EFAULT)."""
+        if not self._populate_by_madvise:
+            return False
+        try:
+            populate_write(self._base + offset, length)
+            return True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self._populate_by_madvise = False
+            return False
 
     def prefaulted(self, slots: list[int], ok: bool = True) -> None:
         """The slots from `to_prefault` are populated (or, not *ok*, given back as they were)."""
@@ -379,16 +386,12 @@ class DramArena:
         through the mapping (any thread; *start* from `alloc_unfaulted`). False: the tmpfs
         has no room for them (the write would have been SIGBUS). Before Linux 5.14 this
         cannot be checked: True."""
-        if start >= length or not self._populate_by_madvise:
+        if start >= length:
             return True
         try:
-            populate_write(self._base + slot * self.chunk_size + start,
-                           pages(length) - start)
+            self._fault_in(slot * self.chunk_size + start, pages(length) - start)
             return True
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:
-                self._populate_by_madvise = False
-                return True
+        except OSError:
             return False
 
     def slot_view(self, slot: int, length: int) -> memoryview:
