@@ -129,6 +129,10 @@ class DramArena:
         self.defer_punches = False
         self.on_punch_queued = lambda: None
         self.trimmed = 0  # fat slots' tails punched
+        # Slots a worker thread is reading (a packed chunk being decoded) -> readers; a slot
+        # freed meanwhile is given back when its last reader is done, never reused under it.
+        self._pins: dict[int, int] = {}
+        self._freed_pinned: set[int] = set()
 
     def adopt(self, used: dict[int, int]) -> None:
         """Start bookkeeping from the slots lmdb says are owned ({slot: bytes}); the others
@@ -233,11 +237,26 @@ class DramArena:
             self.punch(slot, self.need[slot], self.chunk_size - self.need[slot])
             self.trimmed += 1
 
+    def pin(self, slot: int) -> None:
+        """A worker thread is about to read *slot*: a `free` waits until `unpin`."""
+        self._pins[slot] = self._pins.get(slot, 0) + 1
+
+    def unpin(self, slot: int) -> None:
+        left = self._pins.pop(slot) - 1
+        if left:
+            self._pins[slot] = left
+        elif slot in self._freed_pinned:
+            self._freed_pinned.discard(slot)
+            self.free(slot, 0)
+
     def free(self, slot: int, length: int) -> None:
         """Give the slot back: warm (still populated) while the RAM budget allows, else
         punched so its RAM returns. Over the budget, only the excess is punched: the rest of
         the slot stays warm for the next chunk (a small chunk in a prefaulted slot would
         otherwise make every later free punch a whole slot, and every alloc fault it in)."""
+        if slot in self._pins:
+            self._freed_pinned.add(slot)
+            return
         self._used_slots.discard(slot)
         self._fat.discard(slot)
         self.need[slot] = 0
@@ -355,6 +374,14 @@ class DramArena:
         done = os.pwrite(self.fd, data, off)
         if done != len(data):  # tmpfs writes are never short unless memory ran out
             raise OSError(errno.ENOSPC, f"short write to the DRAM arena ({done}/{len(data)})")
+
+    def copy_in(self, slot: int, data) -> bool:
+        """Worker thread: `write` *data* at the start of a slot taken with `alloc(len(data))`
+        (which did the bookkeeping). False: the tmpfs has no room for its pages."""
+        try:
+            return os.pwrite(self.fd, data, slot * self.chunk_size) == len(data)
+        except OSError:
+            return False
 
     def punch(self, slot: int, start: int, length: int) -> None:
         """Drop the pages of [start, start+length) of a slot (page-aligned start)."""
