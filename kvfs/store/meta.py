@@ -33,7 +33,10 @@ import lmdb
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# Format 2 adds the PACKED chunk flag (docs/FORMAT.md); a format-1 store is a valid format-2
+# store, and is marked 2 when a mount may write that flag (dram_compress).
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 _U64 = struct.Struct(">Q")
 _KEY2 = struct.Struct(">QQ")
 TABLES = (b"super", b"inodes", b"dirents", b"symlinks", b"xattrs", b"chunks", b"counters",
@@ -88,12 +91,23 @@ class MetaStore:
             sb = json.loads(raw)
         except ValueError as exc:
             raise FormatError(f"{self.path}: superblock is not readable ({exc})") from None
-        if sb.get("magic") != "kvfs" or sb.get("format") != FORMAT_VERSION:
+        if sb.get("magic") != "kvfs" or sb.get("format") not in READABLE_FORMATS:
             raise FormatError(
                 f"{self.path}: metadata format {sb.get('format')!r} is not supported by this "
-                f"kvfs (it reads format {FORMAT_VERSION}); use a matching kvfs version"
+                f"kvfs (it reads formats {', '.join(map(str, READABLE_FORMATS))}); use a "
+                f"matching kvfs version"
             )
         return sb
+
+    def require_format(self, version: int) -> None:
+        """Mark the store as (at least) *version* before writing what older kvfs cannot read."""
+        sb = self.load_superblock()
+        if sb is not None and sb["format"] < version:
+            sb["format"] = version
+            with self.env.begin(write=True, db=self.db["super"]) as txn:
+                txn.put(b"superblock", json.dumps(sb).encode())
+            self.env.sync(True)
+            log.info("metadata format is now %d", version)
 
     def create_superblock(self, chunk_size: int, segment_size: int) -> dict:
         sb = {"magic": "kvfs", "format": FORMAT_VERSION, "uuid": str(uuid.uuid4()),
