@@ -16,7 +16,7 @@ import os
 
 import xxhash
 
-from kvfs.store.chunkstore import _LOC, LOST, SEALED
+from kvfs.store.chunkstore import _LOC, LOST, PACKED, SEALED
 from kvfs.store.codec import Codec, CodecError
 from kvfs.store.meta import FormatError, MetaStore, from_key2, from_u64
 from kvfs.store.nvme import NvmeLog, RecordError
@@ -59,7 +59,7 @@ def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
     inodes = {from_u64(k) for k, _ in meta.scan("inodes")}
     for k, v in meta.scan("chunks"):
         ino, c = from_key2(k)
-        dram_slot, seg, off, rec_len, raw_len, _stored, _codec, flags, csum, seq = \
+        dram_slot, seg, off, rec_len, raw_len, stored, codec_id, flags, csum, seq = \
             _LOC.unpack(v)
         chunks += 1
         where = f"inode {ino} chunk {c}"
@@ -87,8 +87,13 @@ def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
                     out(f"{where}: NVMe record in segment {seg} at {off}: {exc}")
                     errors += 1
         if dram_slot >= 0 and arena is not None and flags & SEALED:
-            view = arena[dram_slot * cs:dram_slot * cs + raw_len]
-            if xxhash.xxh3_64_intdigest(view) != csum:
+            view = arena[dram_slot * cs:dram_slot * cs + (stored if flags & PACKED else raw_len)]
+            try:
+                data = codec.decode(codec_id, view, raw_len) if flags & PACKED else view
+                ok = len(data) == raw_len and xxhash.xxh3_64_intdigest(data) == csum
+            except CodecError:
+                ok = False
+            if not ok:
                 out(f"{where}: DRAM copy in slot {dram_slot}: checksum mismatch")
                 errors += 1
             else:

@@ -247,7 +247,7 @@ class Demoter:
         old = [k for k, t in s.dirty_since.items() if t < cutoff]
         for i in range(0, len(old), WRITEBACK_BATCH):
             try:
-                await s.writeback_many(old[i:i + WRITEBACK_BATCH], drop=False)
+                await s.writeback_many(old[i:i + WRITEBACK_BATCH], drop=False, pack=True)
             except Exception as exc:
                 log.warning("writeback of chunk %s failed: %s", old[i], exc)
                 return

@@ -7,6 +7,11 @@ Every chunk has one location tuple (`Loc`) in the Cython index and the same tupl
     both (clean copy)   dram_slot >= 0, seg > 0    - identical bytes on NVMe
     NVMe only           dram_slot < 0,  seg > 0
 
+With `dram_compress`, a clean copy may be *packed*: flag PACKED, and its slot holds the NVMe
+record's payload (`stored_len` bytes, encoded with `codec`) instead of the raw bytes. A read
+decodes it in a worker; a write or truncation drops it first (it is clean), so a packed slot
+is never written in place and a worker decoding it only needs the slot pinned.
+
 Concurrency protocol (all of this runs on the trio thread; see docs/DESIGN.md):
 - Between two awaits a task owns every structure here. Index, lmdb and arena writes for one
   operation happen without an await in between, so readers never see half an update.
@@ -45,6 +50,7 @@ log = logging.getLogger(__name__)
 
 SEALED = 1  # checksum covers the current bytes
 LOST = 2  # the only copy was in DRAM and DRAM was lost (reboot): reads fail with EIO
+PACKED = 4  # the DRAM slot holds the NVMe record's payload, not the raw bytes (format 2)
 STREAM_USER = 0
 STREAM_GC = 1
 _LOC = struct.Struct("<qIQIIIBBQQ")
@@ -82,6 +88,16 @@ class WritePlan:
     pieces: list[tuple[int, int, int, int, Loc | None]]
 
 
+def slot_len(loc: Loc) -> int:
+    """Bytes a chunk's DRAM slot holds: its record's payload when packed, else its bytes."""
+    return loc.stored_len if loc.flags & PACKED else loc.raw_len
+
+
+def nvme_only(loc: Loc) -> Loc:
+    """*loc* without its DRAM copy."""
+    return loc._replace(dram_slot=-1, flags=loc.flags & ~PACKED)
+
+
 class NoSpace(Exception):
     """Storing more bytes would exceed the capacity of the filesystem."""
 
@@ -115,6 +131,7 @@ class Counters:
     prefetch_late: int = 0  # a demand read found its chunk's prefetch still in flight
     prefetch_wasted: int = 0  # a prefetched chunk left DRAM unread
     direct_writes: int = 0  # writes copied by the shim straight into DRAM (plan_write)
+    unpacked: int = 0  # DRAM hits that decoded a packed copy
 
 
 @dataclass(eq=False)
@@ -138,6 +155,8 @@ class _Job:
     rec_len: int = 0
     seg: object = None
     off: int = 0
+    pack_slot: int = -1  # a DRAM slot the worker copies the payload into (a packed copy)
+    packed: bool = False  # ... and it did
 
 
 class ChunkStore:
@@ -145,10 +164,15 @@ class ChunkStore:
 
     def __init__(self, meta: MetaStore, fs_uuid: str, *, chunk_size: int, dram_dir: str,
                  dram_size: int, nvme_dir: str, nvme_size: int, segment_size: int,
-                 codec: Codec, io_threads: int, policy, dram_prefault: bool = True) -> None:
+                 codec: Codec, io_threads: int, policy, dram_prefault: bool = True,
+                 dram_compress: bool = False) -> None:
         self.meta = meta
         self.cs = chunk_size
         self.codec = codec
+        # Clean DRAM copies are kept packed (compressed) when that saves pages.
+        self.dram_compress = dram_compress
+        if dram_compress:
+            meta.require_format(2)  # PACKED: a kvfs that does not know it must not mount this
         self.policy = policy
         self.index = ChunkIndex(1 << 16)
         self.dram = DramArena(dram_dir, fs_uuid, chunk_size, dram_size, prefault=dram_prefault)
@@ -160,6 +184,7 @@ class ChunkStore:
         self.dram_filling = 0  # pages of slots taken by NVMe reads not committed yet
         self.dram_logical = 0
         self.dram_chunks = 0
+        self.dram_packed = 0  # chunks whose DRAM copy is packed
         self.nvme_live = 0  # record bytes of live NVMe copies
         self.nvme_logical = 0
         self.nvme_chunks = 0
@@ -219,13 +244,13 @@ class ChunkStore:
                     missing.add(loc.seg)
                     log.error("segment %d is missing: its chunks are lost (first: inode %d "
                               "chunk %d)", loc.seg, ino, c)
-                loc = loc._replace(seg=0, off=0, rec_len=0, stored_len=0)
-                if loc.dram_slot < 0 or lost_dram:
+                if loc.dram_slot < 0 or lost_dram or loc.flags & PACKED:
                     loc = loc._replace(dram_slot=-1, flags=LOST)
+                loc = loc._replace(seg=0, off=0, rec_len=0, stored_len=0)
                 fixes.append((ino, c, loc))
             elif loc.dram_slot >= 0 and lost_dram:
                 if loc.seg:
-                    loc = loc._replace(dram_slot=-1)
+                    loc = nvme_only(loc)
                 else:
                     log.warning("inode %d chunk %d was only in DRAM, which is gone", ino, c)
                     loc = loc._replace(dram_slot=-1, flags=LOST)
@@ -233,10 +258,10 @@ class ChunkStore:
             if loc.dram_slot >= 0:
                 if loc.dram_slot >= self.dram.nslots or loc.dram_slot in slots:
                     log.error("inode %d chunk %d: bad DRAM slot %d", ino, c, loc.dram_slot)
-                    loc = loc._replace(dram_slot=-1, flags=loc.flags if loc.seg else LOST)
+                    loc = nvme_only(loc) if loc.seg else loc._replace(dram_slot=-1, flags=LOST)
                     fixes.append((ino, c, loc))
                 else:
-                    slots[loc.dram_slot] = loc.raw_len
+                    slots[loc.dram_slot] = slot_len(loc)
             self.index.set(ino, c, tuple(loc))
             self._account(ino, None, loc)
             if loc.dram_slot >= 0:
@@ -279,9 +304,11 @@ class ChunkStore:
             self.file_bytes[ino] = self.file_bytes.get(ino, 0) + sign * (
                 loc.rec_len if loc.seg else pages(loc.raw_len))
             if loc.dram_slot >= 0:
-                self.dram_used += sign * pages(loc.raw_len)
+                self.dram_used += sign * pages(slot_len(loc))
                 self.dram_logical += sign * loc.raw_len
                 self.dram_chunks += sign
+                if loc.flags & PACKED:
+                    self.dram_packed += sign
                 if not loc.seg:
                     self.unbacked += sign * pages(loc.raw_len)
             if loc.seg:
@@ -313,7 +340,7 @@ class ChunkStore:
             if key in self.prefetched:
                 self.prefetched.discard(key)
                 self.counters.prefetch_wasted += 1
-            slot, length = old.dram_slot, old.raw_len
+            slot, length = old.dram_slot, slot_len(old)
             self.meta.after_commit(lambda: self.dram.free(slot, length))
         if old is not None and old.seg and (new is None or (new.seg, new.off) !=
                                             (old.seg, old.off)):
@@ -333,7 +360,7 @@ class ChunkStore:
 
     def dram_pages(self, key: tuple[int, int]) -> int:
         loc = self.get(*key)
-        return pages(loc.raw_len) if loc is not None and loc.dram_slot >= 0 else 0
+        return pages(slot_len(loc)) if loc is not None and loc.dram_slot >= 0 else 0
 
     def is_clean(self, key: tuple[int, int]) -> bool:
         loc = self.get(*key)
@@ -494,6 +521,16 @@ class ChunkStore:
                 return bytes(length)
             if loc.flags & LOST:
                 raise ChunkError(f"inode {ino} chunk {c}: its only copy was lost with DRAM")
+            if loc.flags & PACKED:
+                data = await self._unpack(ino, c, loc)
+                if data is None:
+                    continue  # the chunk changed while we decoded it: start over
+                self.policy.hit((ino, c))
+                if self.prefetched:
+                    self._prefetch_used((ino, c))
+                self.counters.chunks_from_dram += 1
+                self._record_latency(t0, self.counters.read_latency_dram_us)
+                return _slice(memoryview(data), start, length)
             if loc.dram_slot >= 0:
                 view = self.dram.slot_view(loc.dram_slot, loc.raw_len)
                 if loc.flags & SEALED and (verified is None or (c, loc.seq) not in verified):
@@ -520,6 +557,36 @@ class ChunkStore:
             self._record_latency(t0, self.counters.read_latency_nvme_us)
             return _slice(memoryview(data), start, length)
 
+    async def _unpack(self, ino: int, c: int, loc: Loc) -> bytes | None:
+        """Decode (and verify) a packed DRAM copy in a worker; None if the chunk changed
+        meanwhile. The slot is pinned, so it cannot be reused under the worker."""
+        slot = loc.dram_slot
+        self.dram.pin(slot)
+        try:
+            data = await trio.to_thread.run_sync(self._decode_packed, ino, c, loc,
+                                                 limiter=self.limiter)
+        finally:
+            self.dram.unpin(slot)
+        now = self.get(ino, c)
+        if now is None or now.seq != loc.seq:
+            return None
+        self.counters.unpacked += 1
+        return data
+
+    def _decode_packed(self, ino: int, c: int, loc: Loc) -> bytes:
+        """Worker thread: the raw bytes of a packed DRAM copy, checked against its checksum."""
+        try:
+            data = self.codec.decode(loc.codec, self.dram.slot_view(loc.dram_slot,
+                                                                    loc.stored_len),
+                                     loc.raw_len)
+        except CodecError as exc:
+            self.counters.checksum_errors += 1
+            raise ChunkError(f"inode {ino} chunk {c}: packed DRAM copy: {exc}") from None
+        if len(data) != loc.raw_len or _hash(data) != loc.checksum:
+            self.counters.checksum_errors += 1
+            raise ChunkError(f"inode {ino} chunk {c}: checksum mismatch in DRAM (packed)")
+        return data
+
     def _record_latency(self, t0: float, tier: list[int]) -> None:
         us = int((time.perf_counter() - t0) * 1e6)
         self.counters.read_latency_us[min(23, us.bit_length())] += 1
@@ -545,7 +612,7 @@ class ChunkStore:
         if (loc is None or loc.dram_slot >= 0 or loc.flags & LOST or key in self._prefetching
                 or key in self._fetching):
             return None
-        if not self._prefetch_room(pages(loc.raw_len), make_room):
+        if not self._prefetch_room(pages(self.staged_len(loc)), make_room):
             self.kick_demoter()
             return None
         self.counters.prefetch_issued += 1
@@ -562,7 +629,8 @@ class ChunkStore:
         if data is None or now is None or now.seq != loc.seq or now.dram_slot < 0:
             return False  # changed meanwhile, or no slot was free when the read began
         self.prefetched.add(key)
-        self._verified_in_slot[key] = now.seq  # fetch checked the bytes in their slot
+        if not now.flags & PACKED:
+            self._verified_in_slot[key] = now.seq  # fetch checked the bytes in their slot
         if self.dram_used > self.high_water:
             self.kick_demoter()  # the demoter makes room in bulk, in eviction order
         return True
@@ -592,13 +660,24 @@ class ChunkStore:
             return True
         return make_room is not None and make_room(need) and self.prefetch_room(need)
 
+    def packs(self, loc: Loc) -> bool:
+        """Would a clean DRAM copy of this NVMe chunk be kept packed (it saves pages)?"""
+        return (self.dram_compress and loc.codec != CODEC_RAW
+                and pages(loc.stored_len) < pages(loc.raw_len))
+
+    def staged_len(self, loc: Loc) -> int:
+        """Bytes of DRAM slot a staged copy of this NVMe chunk takes."""
+        return loc.stored_len if self.packs(loc) else loc.raw_len
+
     async def fetch(self, ino: int, c: int, loc: Loc, *, stage: float | None,
-                    limiter: trio.CapacityLimiter | None = None) -> bytes | memoryview | None:
+                    limiter: trio.CapacityLimiter | None = None,
+                    raw: bool = False) -> bytes | memoryview | None:
         """Read an NVMe-only chunk (verified). If a DRAM slot is free and DRAM holds less than
         *stage* bytes, the record is decoded straight into the slot, which becomes the
         chunk's clean DRAM copy (no copy of the bytes, no eviction); otherwise into a new
-        buffer. Returns the bytes (a slot view is valid until the next await), or None if
-        the chunk changed meanwhile."""
+        buffer. With `dram_compress` (and not *raw*) the slot gets the record's payload
+        instead, a packed copy, and the bytes come in a buffer. Returns the bytes (a slot
+        view is valid until the next await), or None if the chunk changed meanwhile."""
         key = (ino, c)
         pending = self._fetching.get(key)
         if pending is not None:
@@ -606,59 +685,74 @@ class ChunkStore:
             return None
         done = self._fetching[key] = trio.Event()
         slot = unfaulted = -1
-        filling = pages(loc.raw_len)
+        pack = not raw and self.packs(loc)
+        length = loc.stored_len if pack else loc.raw_len
+        filling = pages(length)
         try:
             target = None
             if stage is not None and self.promotion_room(filling, stage):
-                slot, unfaulted = self.dram.alloc_unfaulted(loc.raw_len)
+                slot, unfaulted = self.dram.alloc_unfaulted(length)
                 self.dram_filling += filling
-                target = self.dram.slot_view(slot, loc.raw_len)
+                target = self.dram.slot_view(slot, length)
             seg = self.nvme.pin(loc.seg)
             try:
-                data = await trio.to_thread.run_sync(self._read_to_slot, ino, c, loc, seg,
-                                                     (slot, unfaulted), target,
-                                                     limiter=limiter or self.limiter)
+                data, staged = await trio.to_thread.run_sync(
+                    self._read_to_slot, ino, c, loc, seg, (slot, unfaulted), target, pack,
+                    limiter=limiter or self.limiter)
             finally:
                 self.nvme.unpin(seg)
             now = self.get(ino, c)
             if now is None or now.seq != loc.seq:
                 return None
             if slot >= 0:
-                if data is not target or now.dram_slot >= 0:
-                    return bytes(data)  # resident meanwhile: our slot is freed below
+                if not staged or now.dram_slot >= 0:
+                    # resident meanwhile: our slot is freed below
+                    return bytes(data) if data is target else data
                 self.dram_filling -= filling
+                new = now._replace(dram_slot=slot,
+                                   flags=(now.flags | PACKED) if pack else now.flags)
                 with self.meta.write() as txn:
-                    self._replace(txn, ino, c, now, now._replace(dram_slot=slot))
+                    self._replace(txn, ino, c, now, new)
                 slot = -1  # the chunk owns it now
                 self.counters.promotions += 1
             return data
         finally:
             if slot >= 0:
                 self.dram_filling -= filling
-                self.dram.free(slot, loc.raw_len)
+                self.dram.free(slot, length)
             del self._fetching[key]
             done.set()
 
     def _read_to_slot(self, ino: int, c: int, loc: Loc, seg, slot: tuple[int, int],
-                      target: memoryview | None) -> bytes | memoryview:
-        """Worker thread: `_read_record` into a DRAM slot's pages if the tmpfs can give them
-        (a write through the mapping to a page it cannot give would be SIGBUS), else into a
-        buffer: the chunk is then read but not staged. *slot*: (slot, first unpopulated
-        byte), from `DramArena.alloc_unfaulted`."""
-        if target is not None and not self.dram.ensure_pages(*slot, loc.raw_len):
+                      target: memoryview | None, pack: bool) -> tuple[bytes | memoryview, bool]:
+        """Worker thread: `_read_record` into a DRAM slot's pages (its payload if *pack*)
+        if the tmpfs can give them (a write through the mapping to a page it cannot give
+        would be SIGBUS), else into a buffer: the chunk is then read but not staged. *slot*:
+        (slot, first unpopulated byte), from `DramArena.alloc_unfaulted`. Returns the bytes
+        and whether the slot was filled."""
+        if target is not None and not self.dram.ensure_pages(*slot, len(target)):
             log.warning("DRAM tier: its tmpfs has no room for a chunk's pages; not staged")
             target = None
-        return self._read_record(ino, c, loc, seg, target)
+        if target is None:
+            return self._read_record(ino, c, loc, seg, None), False
+        if pack:
+            return self._read_record(ino, c, loc, seg, None, payload_to=target), True
+        return self._read_record(ino, c, loc, seg, target), True
 
-    def _read_record(self, ino: int, c: int, loc: Loc, seg, target: memoryview | None
-                     ) -> bytes | memoryview:
+    def _read_record(self, ino: int, c: int, loc: Loc, seg, target: memoryview | None,
+                     payload_to: memoryview | None = None) -> bytes | memoryview:
         """Worker thread: read, check, decode (into *target* if given) and verify one
-        record."""
+        record; its payload is also copied to *payload_to* if given (a packed copy)."""
         def decode(h: RecordHeader, payload: memoryview) -> bytes | memoryview:
             if (h.ino, h.chunk, h.seq) != (ino, c, loc.seq):
                 raise RecordError(f"found inode {h.ino} chunk {h.chunk} seq {h.seq} instead")
             if h.raw_len != loc.raw_len:
                 raise RecordError(f"record holds {h.raw_len} bytes, expected {loc.raw_len}")
+            if payload_to is not None:
+                if len(payload) != len(payload_to) or h.codec != loc.codec:
+                    raise RecordError(f"payload of {len(payload)} bytes in codec {h.codec}, "
+                                      f"expected {len(payload_to)} in codec {loc.codec}")
+                payload_to[:] = payload
             if target is None:
                 return self.codec.decode(h.codec, payload, h.raw_len)
             self.codec.decode_into(h.codec, payload, h.raw_len, target)
@@ -700,6 +794,9 @@ class ChunkStore:
         stop = start + len(piece)
         while True:
             loc = self.get(ino, c)
+            if loc is not None and loc.flags & PACKED:
+                self.drop_dram_copy((ino, c))  # clean: its bytes are raw on NVMe
+                continue
             covers = start == 0 and (loc is None or stop >= loc.raw_len)
             if loc is not None and loc.dram_slot < 0 and not covers:
                 if loc.flags & LOST:
@@ -740,7 +837,7 @@ class ChunkStore:
             c, start = divmod(pos, cs)
             stop = min(cs, end - c * cs)
             loc = self.get(ino, c)
-            if loc is not None and loc.flags & LOST:
+            if loc is not None and loc.flags & (LOST | PACKED):
                 return None
             if loc is None or loc.dram_slot < 0:
                 if start or (loc is not None and stop < loc.raw_len):
@@ -834,7 +931,7 @@ class ChunkStore:
         now = self.get(ino, c)
         if now is None or now.seq != loc.seq or now.dram_slot >= 0:
             return
-        await self.fetch(ino, c, now, stage=float(self.dram.capacity))
+        await self.fetch(ino, c, now, stage=float(self.dram.capacity), raw=True)
 
     def _apply_write(self, ino: int, c: int, loc: Loc | None, start: int, piece: memoryview,
                      new_len: int, on_commit: Callable[[], None] | None) -> None:
@@ -889,12 +986,14 @@ class ChunkStore:
     def _nchunks(self, size: int) -> int:
         return (size + self.cs - 1) // self.cs
 
-    async def writeback(self, key: tuple[int, int], *, drop: bool) -> bool:
-        """Copy a dirty DRAM chunk to NVMe; with *drop*, free its DRAM slot afterwards.
-        Returns False if the chunk changed meanwhile (the caller may retry)."""
-        return (await self.writeback_many([key], drop=drop))[0]
+    async def writeback(self, key: tuple[int, int], *, drop: bool, pack: bool = False) -> bool:
+        """Copy a dirty DRAM chunk to NVMe; with *drop*, free its DRAM slot afterwards; with
+        *pack* (and `dram_compress`), keep a packed copy instead of the raw one when it saves
+        pages. Returns False if the chunk changed meanwhile (the caller may retry)."""
+        return (await self.writeback_many([key], drop=drop, pack=pack))[0]
 
-    async def writeback_many(self, keys: list[tuple[int, int]], *, drop: bool) -> list[bool]:
+    async def writeback_many(self, keys: list[tuple[int, int]], *, drop: bool,
+                             pack: bool = False) -> list[bool]:
         """`writeback` for several chunks at once: one worker hand-off compresses them all,
         one writes all their records, one transaction commits them. A hand-off costs the trio
         thread ~100 us on a small VM (futex and socket wake-ups), the Python of a commit a
@@ -946,11 +1045,14 @@ class ChunkStore:
                 job.rec_len = record_length(len(job.payload))
                 job.seg, job.off = await self._reserve(job.stream, job.rec_len)
                 todo.append(job)
+            if pack and not drop:
+                self._take_pack_slots(todo)
             if todo:
                 await trio.to_thread.run_sync(self._write_jobs, todo, limiter=self.limiter)
         except BaseException:
             for job in todo:
                 self.nvme.mark_dead(job.seg.seg_id, job.rec_len)
+            self._release_pack_slots(todo)
             raise
         with self.meta.write() as txn:
             for job in todo:
@@ -962,13 +1064,37 @@ class ChunkStore:
                     self.nvme.mark_dead(job.seg.seg_id, job.rec_len)
                     done[job.i] = False
                     continue
-                new = Loc(-1 if drop else now.dram_slot, job.seg.seg_id, job.off, job.rec_len,
-                          now.raw_len, len(job.payload), job.used, SEALED, job.csum, now.seq)
+                slot, flags = -1 if drop else now.dram_slot, SEALED
+                if job.packed:  # the raw slot goes after the commit (_replace)
+                    slot, flags, job.pack_slot = job.pack_slot, SEALED | PACKED, -1
+                    self.dram_filling -= pages(len(job.payload))
+                new = Loc(slot, job.seg.seg_id, job.off, job.rec_len,
+                          now.raw_len, len(job.payload), job.used, flags, job.csum, now.seq)
                 self._replace(txn, job.ino, job.c, now, new)
                 self.counters.writebacks += 1
                 if drop:
                     self.counters.demotions += 1
+        self._release_pack_slots(todo)
         return done
+
+    def _take_pack_slots(self, jobs: list[_Job]) -> None:
+        """DRAM slots for packed copies of the jobs whose payload saves pages, as room
+        allows (a promotion's room: nothing is evicted for them)."""
+        for job in jobs:
+            length = len(job.payload)
+            if (self.dram_compress and job.used != CODEC_RAW
+                    and pages(length) < pages(job.loc.raw_len)
+                    and self.promotion_room(pages(length))):
+                job.pack_slot = self.dram.alloc(length)
+                self.dram_filling += pages(length)
+
+    def _release_pack_slots(self, jobs: list[_Job]) -> None:
+        """Pack slots the jobs did not end up owning go back."""
+        for job in jobs:
+            if job.pack_slot >= 0:
+                self.dram_filling -= pages(len(job.payload))
+                self.dram.free(job.pack_slot, len(job.payload))
+                job.pack_slot = -1
 
     def _encode_jobs(self, jobs: list[_Job]) -> None:
         """Worker thread: `_encode` each job; a file's later chunks take the codec its first
@@ -988,6 +1114,8 @@ class ChunkStore:
             header = RecordHeader(job.used, job.stream, job.ino, job.c, job.loc.seq,
                                   job.loc.raw_len, len(job.payload), job.csum)
             self.nvme.write_record(job.seg, job.off, header, job.payload)
+            if job.pack_slot >= 0:
+                job.packed = self.dram.copy_in(job.pack_slot, job.payload)
 
     async def _reserve(self, stream: int, rec_len: int):
         """Space for one record; cleans segments if none is free."""
@@ -1040,7 +1168,7 @@ class ChunkStore:
         if not loc.seg:
             return
         with self.meta.write() as txn:
-            self._replace(txn, key[0], key[1], loc, loc._replace(dram_slot=-1))
+            self._replace(txn, key[0], key[1], loc, nvme_only(loc))
 
     async def fsync(self, ino: int, size: int) -> None:
         """Make a file's data durable on NVMe (its DRAM copies stay, clean)."""
@@ -1051,7 +1179,8 @@ class ChunkStore:
                 break
             async with trio.open_nursery() as nursery:
                 for c in dirty:
-                    nursery.start_soon(partial(self.writeback, (ino, c), drop=False))
+                    nursery.start_soon(partial(self.writeback, (ino, c), drop=False,
+                                               pack=True))
         await self.sync()
 
     async def sync(self) -> None:
@@ -1100,6 +1229,9 @@ class ChunkStore:
             loc = self.get(ino, c)
             if loc is None or loc.raw_len <= cut:
                 return
+            if loc.flags & PACKED:
+                self.drop_dram_copy((ino, c))
+                continue
             if loc.dram_slot < 0:
                 await self._make_resident(ino, c, loc)
                 continue
@@ -1136,7 +1268,8 @@ class ChunkStore:
                 tiers.append("dram")
             if loc.seg:
                 tiers.append("nvme")
-            out.append({"chunk": c, "tiers": tiers, "raw_len": loc.raw_len,
+            out.append({"chunk": c, "tiers": tiers, "packed": bool(loc.flags & PACKED),
+                        "raw_len": loc.raw_len,
                         "stored_len": loc.stored_len if loc.seg else loc.raw_len,
                         "codec": loc.codec, "segment": loc.seg or None,
                         "dirty": loc.dram_slot >= 0 and not loc.seg,
@@ -1151,6 +1284,7 @@ class ChunkStore:
                 "dram": {"capacity_bytes": self.dram.capacity, "used_bytes": self.dram_used,
                          "logical_bytes": self.dram_logical, "chunks": self.dram_chunks,
                          "dirty_bytes": self.unbacked, "free_slots": self.dram.free_slots,
+                         "packed_chunks": self.dram_packed,
                          "resident_bytes": self.dram.resident,
                          "warm_bytes": self.dram.warm_bytes},
                 "nvme": {"capacity_bytes": self.nvme.capacity, "used_bytes": self.nvme_live,
@@ -1161,6 +1295,7 @@ class ChunkStore:
             "reads": {"chunks_from_dram": k.chunks_from_dram,
                       "chunks_from_nvme": k.chunks_from_nvme,
                       "chunks_from_holes": k.chunks_from_holes,
+                      "chunks_unpacked": k.unpacked,
                       "checksum_errors": k.checksum_errors,
                       "latency_us_log2_histogram": list(k.read_latency_us),
                       "dram_latency_us_log2_histogram": list(k.read_latency_dram_us),
