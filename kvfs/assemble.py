@@ -48,7 +48,8 @@ class Assembly:
             segment_size=sb["segment_size"],
             # verify=False: the store checks the xxh3 of every decoded chunk itself
             codec=Codec(CodecPolicy(enabled=s.compress, verify=False)),
-            io_threads=s.io_threads, policy=self.policy, dram_prefault=s.dram_prefault)
+            io_threads=s.io_threads, policy=self.policy, dram_prefault=s.dram_prefault,
+            dram_compress=s.dram_compress)
         self.ns = Namespace(self.meta)
         self.evictor = None
         extra = []

@@ -43,6 +43,9 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                         "writes with ENOSPC")
     p.add_argument("--no-compress", dest="compress", action="store_false",
                    help="store chunks uncompressed on the NVMe tier")
+    p.add_argument("--dram-compress", action="store_true",
+                   help="keep clean DRAM copies compressed too: more KV blocks fit in DRAM, "
+                        "and each DRAM hit costs a decode in a worker thread")
     p.add_argument("--foreground", "-f", action="store_true",
                    help="stay in the foreground and log to stderr (default: return once the "
                         "mount is ready and log to NVME_DIR/kvfs.log)")
@@ -55,14 +58,15 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                         "io_threads=, readahead_chunks=, prefetch= (0 turns prediction off), "
                         "prefetch_bandwidth=, streams= (1-5 NVMe placement streams), "
                         "nodram_prefault (take DRAM-tier RAM as used instead of reserving "
-                        "it at mount)")
+                        "it at mount), dram_compress (as --dram-compress)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     s = Settings(mountpoint=os.path.abspath(args.mountpoint), dram_dir=args.dram_dir,
                  dram_size=args.dram_size, nvme_dir=args.nvme_dir, nvme_size=args.nvme_size,
                  segment_size=args.segment_size, cache_mode=args.cache_mode,
-                 compress=args.compress, foreground=args.foreground, debug=args.debug,
+                 compress=args.compress, dram_compress=args.dram_compress,
+                 foreground=args.foreground, debug=args.debug,
                  log_file=args.log_file)
     if args.chunk_size is not None:
         s.chunk_size = args.chunk_size

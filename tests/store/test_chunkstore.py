@@ -538,3 +538,142 @@ def _write_durably(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+# ------------------------------------------------ packed DRAM copies (-o dram_compress)
+def _superblock_format(m) -> int:
+    from kvfs.store.meta import MetaStore
+
+    meta = MetaStore(str(m.nvme_dir / "meta"))
+    try:
+        return meta.load_superblock()["format"]
+    finally:
+        meta.close()
+
+
+def _packed(m, names) -> int:
+    return sum(c["packed"] for n in names for c in m.where(n))
+
+
+def test_fsync_keeps_a_packed_copy_that_reads_back(mount_factory):
+    """With dram_compress, a written-back chunk's clean DRAM copy is its compressed record:
+    DRAM is charged the record's pages, and reads decode it (verified) in a worker."""
+    m = mount_factory(dram_compress="1")
+    files = {f"k{i}": b for i, b in enumerate(_kv_blocks(6, 2 * CHUNK))}
+    for name, data in files.items():
+        _write_durably(m.path / name, data)
+    st = m.status()
+    dram = st["tiers"]["dram"]
+    assert dram["packed_chunks"] == _packed(m, files) == 12, dram
+    assert dram["used_bytes"] < 0.8 * dram["logical_bytes"], dram  # bf16: ~1.45x
+    _check(m, files)
+    after = m.status()
+    assert after["reads"]["chunks_unpacked"] >= 12
+    assert after["reads"]["chunks_from_dram"] - st["reads"]["chunks_from_dram"] >= 12
+
+
+def test_nvme_reads_stage_packed_copies(mount_factory):
+    """Chunks promoted or prefetched from NVMe take their record's pages in DRAM, not their
+    raw length; random data (stored raw) is never packed."""
+    m = mount_factory(dram_compress="1")
+    files = {f"k{i}": b for i, b in enumerate(_kv_blocks(40, 2 * CHUNK))}  # 10 MiB > 4 MiB
+    for name, data in files.items():
+        (m.path / name).write_bytes(data)
+    rnd = _fill(m, "r", 4, 2 * CHUNK)
+    victims = _nvme_only(m, files)
+    _check(m, {n: files[n] for n in victims})  # read from NVMe: promoted, packed
+    _wait(lambda: _packed(m, victims) > 0)
+    _check(m, {n: files[n] for n in victims})  # and again, from the packed copies
+    _check(m, rnd)
+    assert _packed(m, rnd) == 0
+
+
+def test_writes_into_packed_chunks(mount_factory):
+    """A packed copy is never written in place: a write or a truncation drops it (it is
+    clean) and works on the raw bytes."""
+    m = mount_factory(dram_compress="1")
+    data = bytearray(b"".join(_kv_blocks(3, CHUNK)))
+    _write_durably(m.path / "w", bytes(data))
+    assert _packed(m, ["w"]) == 3
+    with open(m.path / "w", "r+b") as f:
+        f.seek(1000)
+        f.write(b"x" * 10)  # partial: read-modify-write of chunk 0
+        f.seek(CHUNK)
+        f.write(b"y" * CHUNK)  # covers chunk 1
+    data[1000:1010] = b"x" * 10
+    data[CHUNK:2 * CHUNK] = b"y" * CHUNK
+    assert (m.path / "w").read_bytes() == data
+    os.truncate(m.path / "w", 2 * CHUNK + 777)  # cuts into packed chunk 2
+    del data[2 * CHUNK + 777:]
+    assert (m.path / "w").read_bytes() == data
+    assert [c["packed"] for c in m.where("w")] == [False, False, False]
+    os.truncate(m.path / "w", 3 * CHUNK)
+    assert (m.path / "w").read_bytes() == bytes(data) + bytes(CHUNK - 777)
+
+
+def test_packed_copies_survive_remount_kill_and_reboot(mount_factory):
+    import subprocess
+    import sys
+
+    m = mount_factory(dram_compress="1")
+    files = {f"k{i}": b for i, b in enumerate(_kv_blocks(6, 2 * CHUNK))}
+    for name, data in files.items():
+        _write_durably(m.path / name, data)
+    assert _packed(m, files) == 12
+    m.unmount()
+    assert _superblock_format(m) == 2
+    r = subprocess.run([sys.executable, "-m", "kvfs.cli.fsck", str(m.nvme_dir), "--dram-dir",
+                        str(m.dram_dir)], capture_output=True, text=True)
+    assert r.returncode == 0 and " 0 errors" in r.stdout, r.stdout + r.stderr
+    m.start()
+    assert _packed(m, files) == 12 and m.status()["tiers"]["dram"]["packed_chunks"] == 12
+    _check(m, files)
+    m.kill()
+    m.start()
+    _check(m, files)
+    m.reboot()
+    m.start()
+    assert m.status()["tiers"]["dram"]["packed_chunks"] == 0
+    _check(m, files)
+
+
+def test_corrupt_packed_copy_is_eio(mount_factory):
+    m = mount_factory(dram_compress="1")
+    data = _kv_blocks(1, CHUNK)[0]
+    _write_durably(m.path / "c", data)
+    assert _packed(m, ["c"]) == 1
+    slot = _live_slot(m, "c")
+    with open(m.dram_dir / "arena", "r+b") as f:
+        f.seek(slot * CHUNK + 100)
+        byte = f.read(1)
+        f.seek(slot * CHUNK + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(OSError) as ei:
+        (m.path / "c").read_bytes()
+    assert ei.value.errno == errno.EIO
+    assert m.status()["reads"]["checksum_errors"] >= 1
+
+
+def test_format_1_store_is_marked_2_only_by_dram_compress(mount_factory):
+    """Format 2 only adds the PACKED flag: format-1 stores mount as they are, and are marked
+    format 2 (which an older kvfs refuses) when a mount may pack."""
+    from kvfs.store.meta import MetaStore
+
+    m = mount_factory()
+    data = _kv_blocks(1, CHUNK)[0]
+    _write_durably(m.path / "a", data)
+    m.unmount()
+    meta = MetaStore(str(m.nvme_dir / "meta"))
+    with meta.env.begin(write=True, db=meta.db["super"]) as txn:
+        sb = json.loads(txn.get(b"superblock"))
+        sb["format"] = 1
+        txn.put(b"superblock", json.dumps(sb).encode())
+    meta.close()
+    m.start()
+    assert (m.path / "a").read_bytes() == data
+    m.unmount()
+    assert _superblock_format(m) == 1
+    m.start(dram_compress="1")
+    assert (m.path / "a").read_bytes() == data
+    m.unmount()
+    assert _superblock_format(m) == 2
