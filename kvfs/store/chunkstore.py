@@ -244,6 +244,8 @@ class ChunkStore:
                     missing.add(loc.seg)
                     log.error("segment %d is missing: its chunks are lost (first: inode %d "
                               "chunk %d)", loc.seg, ino, c)
+                if loc.flags & PACKED and not lost_dram and loc.dram_slot not in slots:
+                    loc = self._unpack_at_mount(ino, c, loc)
                 if loc.dram_slot < 0 or lost_dram or loc.flags & PACKED:
                     loc = loc._replace(dram_slot=-1, flags=LOST)
                 loc = loc._replace(seg=0, off=0, rec_len=0, stored_len=0)
@@ -283,6 +285,24 @@ class ChunkStore:
                     self._store_loc(txn, ino, c, loc._replace(flags=SEALED, checksum=csum))
         for seg in list(self.nvme.segments.values()):
             self.nvme._maybe_delete(seg)
+
+    def _unpack_at_mount(self, ino: int, c: int, loc: Loc) -> Loc:
+        """A packed copy whose segment is gone becomes the chunk's only copy: decode it
+        into its slot (raw, sealed) if it checks out, else leave it PACKED (then lost)."""
+        if not 0 <= loc.dram_slot < self.dram.nslots:
+            return loc
+        try:
+            data = self.codec.decode(loc.codec, self.dram.slot_view(loc.dram_slot,
+                                                                    loc.stored_len),
+                                     loc.raw_len)
+            if len(data) != loc.raw_len or _hash(data) != loc.checksum:
+                raise CodecError("checksum mismatch")
+            self.dram.write(loc.dram_slot, 0, data)
+        except (CodecError, OSError) as exc:
+            log.error("inode %d chunk %d: packed DRAM copy unusable (%s)", ino, c, exc)
+            return loc
+        log.warning("inode %d chunk %d: kept from its packed DRAM copy", ino, c)
+        return loc._replace(flags=SEALED)
 
     def close(self) -> None:
         with self.meta.write() as txn:

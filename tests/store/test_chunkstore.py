@@ -677,3 +677,21 @@ def test_format_1_store_is_marked_2_only_by_dram_compress(mount_factory):
     assert (m.path / "a").read_bytes() == data
     m.unmount()
     assert _superblock_format(m) == 2
+
+
+def test_packed_copy_outlives_its_missing_segment(mount_factory):
+    """A segment file lost behind kvfs's back: chunks with a packed DRAM copy keep their
+    bytes (decoded into their slot at mount), like chunks with a raw one."""
+    m = mount_factory(dram_compress="1")
+    files = {f"k{i}": b for i, b in enumerate(_kv_blocks(3, 2 * CHUNK))}
+    for name, data in files.items():
+        _write_durably(m.path / name, data)
+    assert _packed(m, files) == 6
+    segs = {c["segment"] for n in files for c in m.where(n)}
+    m.unmount()
+    for seg in segs:
+        (m.nvme_dir / "segments" / f"seg-{seg:08d}.kvs").unlink()
+    m.start(dram_compress="1")
+    _check(m, files)
+    assert _packed(m, files) == 0
+    assert all(c["tiers"] == ["dram"] for n in files for c in m.where(n))
