@@ -28,6 +28,10 @@ every block in RAM, so they need the replayed data's size free.
     python tools/trace_replay.py --requests 1500          # a prefix of the trace
     python tools/trace_replay.py --requests 1500 --modes tmpfs,fuse-null,on
     python tools/trace_replay.py --block-size 64K --requests 400 --modes on
+    python tools/trace_replay.py --content kv-bf16 --modes off,off+packed,on,on+packed
+
+A `+packed` mode mounts with `-o dram_compress` (clean DRAM copies kept compressed): the DRAM
+tier holds more blocks, and each DRAM hit pays a decode.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 NULLFS = Path(__file__).resolve().parent / "nullfs.py"
 REFERENCES = ("tmpfs", "fuse-null")  # modes without kvfs: every read is a DRAM read
 TRACE = SHARED / "traces" / "mooncake_synthetic_trace.jsonl"
-KV_DATA = SHARED / "kv" / "smollm2_kv_fp16.npy"
+KV_DATA = {"kv": SHARED / "kv" / "smollm2_kv_fp16.npy",
+           "kv-bf16": SHARED / "kv" / "smollm2_kv_bf16.npy"}
 sys.path.insert(0, str(ROOT))
 
 import xxhash  # noqa: E402
@@ -129,15 +134,16 @@ def offline_belady(acc: list[tuple[int, bool]], cap: int) -> float:
 
 # -- block contents ----------------------------------------------------------------------------
 class Blocks:
-    """Deterministic block bytes: real fp16 KV data (or random bytes), stamped with the id."""
+    """Deterministic block bytes: real fp16 or bf16 KV data (or random bytes), stamped with
+    the id."""
 
     def __init__(self, size: int, content: str) -> None:
         self.size = size
         pool = b""
-        if content == "kv" and KV_DATA.exists():
+        if content in KV_DATA and KV_DATA[content].exists():
             import numpy as np
 
-            raw = np.load(KV_DATA, mmap_mode="r").reshape(-1).view(np.uint8)
+            raw = np.load(KV_DATA[content], mmap_mode="r").reshape(-1).view(np.uint8)
             pool = bytes(raw[: (len(raw) // size) * size])
         if len(pool) < size:
             pool = os.urandom(max(64, (8 << 20) // size) * size)
@@ -367,7 +373,9 @@ def mount_and_replay(mode: str, reqs: list[Request], blocks: Blocks, cap_blocks:
     seg = 64 << 20
     nvme_size = max(8 * seg, int(unique * bs * 1.3) + 16 * seg)  # "unbounded": all of it fits
     opts = {"dram_size": cap_blocks * bs, "nvme_size": nvme_size, "chunk_size": args.chunk_size,
-            "segment_size": seg, "prefetch": "on" if mode == "on" else "off"}
+            "segment_size": seg, "prefetch": "on" if mode.startswith("on") else "off"}
+    if mode.endswith("+packed"):
+        opts["dram_compress"] = "1"
     if args.options:
         opts.update(dict(o.split("=", 1) for o in args.options.split(",")))
     cmd = [sys.executable, "-m", "kvfs", "mount", str(mnt), "--dram-dir", str(dram),
@@ -504,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-size", default=None, help="kvfs chunk size (default: block size)")
     p.add_argument("--dram-pct", type=float, default=5.0)
     p.add_argument("--modes", default="on,off",
-                   help="comma-separated: on, off (kvfs with prediction on or off), tmpfs, "
+                   help="comma-separated: on, off (kvfs with prediction on or off), "
+                        "on+packed, off+packed (the same with -o dram_compress), tmpfs, "
                         "fuse-null (references without kvfs)")
     p.add_argument("--arrival", choices=("fast", "timestamps"), default="fast")
     p.add_argument("--time-scale", type=float, default=1.0,
@@ -512,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=1, help="requests in progress at once")
     p.add_argument("--reader", choices=("request", "pool"), default="request",
                    help="a thread per request, or a fixed pool of --workers threads")
-    p.add_argument("--content", choices=("kv", "random"), default="kv")
+    p.add_argument("--content", choices=("kv", "kv-bf16", "random"), default="kv",
+                   help="block bytes: real fp16 KV (kv), real bf16 KV or random")
     p.add_argument("--sample-every", type=int, default=20,
                    help="classify every Nth read as DRAM hit or miss (0: never)")
     p.add_argument("--options", default="", help="extra kvfs -o options, k=v,...")
