@@ -48,8 +48,8 @@ class Assembly:
             segment_size=sb["segment_size"],
             # verify=False: the store checks the xxh3 of every decoded chunk itself
             codec=Codec(CodecPolicy(enabled=s.compress, verify=False)),
-            io_threads=s.io_threads, policy=self.policy, dram_prefault=s.dram_prefault,
-            dram_compress=s.dram_compress)
+            io_threads=s.io_threads, policy=self.policy, dram_compress=s.dram_compress)
+        self.policy.pinned = lambda key: key[0] in self.store.dram.pins
         self.ns = Namespace(self.meta)
         self.evictor = None
         extra = []
@@ -107,8 +107,7 @@ class Assembly:
             nursery.start_soon(self.demoter.run)
             nursery.start_soon(self.cleaner.run)
             nursery.start_soon(self.readahead.run)
-            nursery.start_soon(self.store.prefault_dram)
-            nursery.start_soon(self.store.run_punches)
+            nursery.start_soon(self.store.run_disposals)
             nursery.start_soon(self._signals)
             # Enough request tasks that a slow NVMe read never holds up a DRAM hit.
             await pyfuse3.main(min_tasks=8, max_tasks=64)

@@ -70,7 +70,8 @@ class Settings:
     """All knobs of one mount. String sizes are resolved by `resolve()`."""
 
     mountpoint: str = ""
-    # DRAM tier: a sparse arena file on tmpfs; it outlives the daemon, so a crash loses nothing.
+    # DRAM tier: one sparse file per inode on tmpfs; it outlives the daemon, so a crash loses
+    # nothing.
     dram_dir: str = DEFAULT_DRAM_DIR
     # 25% of available RAM: enough to hold the hot set without starving the inference engine.
     dram_size: str | int = "25%"
@@ -89,10 +90,12 @@ class Settings:
     # Demotion starts above the high watermark and stops below the low one (fractions of dram_size).
     dram_high_watermark: float = 0.90
     dram_low_watermark: float = 0.75
-    # Reserve the DRAM tier's RAM at mount (populated in the background), as engines do with
-    # their host-memory pools: writing into populated tmpfs pages is ~4x faster than into
-    # fresh ones. Off: RAM is taken as chunks arrive and most of it returns when they leave.
+    # Accepted for the mount lines of earlier versions, which reserved an arena's RAM at
+    # mount; DRAM files take their pages as chunks arrive and give them back as they leave.
     dram_prefault: bool = True
+    # FUSE passthrough (Linux 6.9+): a file opened for reading whose chunks are all in DRAM
+    # is read by the kernel straight from its DRAM file, without a request to the daemon.
+    passthrough: bool = True
     # Compression on the NVMe tier.
     compress: bool = True
     # Keep clean DRAM copies (prefetched, promoted, written back) compressed as on NVMe: more
@@ -151,7 +154,7 @@ class Settings:
 
 
 _BOOL_OPTIONS = {"cache_mode", "foreground", "debug", "allow_other", "compress", "prefetch",
-                 "dram_prefault", "dram_compress"}
+                 "dram_prefault", "dram_compress", "passthrough"}
 _FLOAT_OPTIONS = {"dram_high_watermark", "dram_low_watermark"}
 _INT_OPTIONS = {"io_threads", "readahead_chunks", "streams", "prefetch_concurrency"}
 # Generic mount options that mount(8) passes along and kvfs has nothing to do with.

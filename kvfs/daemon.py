@@ -131,7 +131,8 @@ def mount(settings: Settings) -> int:
 
 def _load_fallocate_shim():
     """Load kvfs._fuseshim into the global symbol scope *before* pyfuse3, so that pyfuse3's
-    session is created by its fuse_session_new and gains a fallocate handler."""
+    session is created by its fuse_session_new (gaining a fallocate handler) and mounted by
+    its fuse_session_mount (which can ask for FUSE passthrough)."""
     flags = sys.getdlopenflags()
     sys.setdlopenflags(os.RTLD_NOW | os.RTLD_GLOBAL)
     try:
@@ -164,6 +165,9 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
     if shim is not None:
         shim.set_fallocate_handler(asm.ops.fallocate_sync)
         shim.set_write_handlers(asm.ops.write_plan, asm.ops.write_done)
+        shim.want_passthrough(s.passthrough)
+        if s.passthrough:
+            asm.ops.shim = shim
     options = set(pyfuse3.default_options)
     options |= {"fsname=kvfs", "subtype=kvfs"}
     if s.allow_other:

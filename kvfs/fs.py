@@ -10,6 +10,17 @@ Attributes of `Operations`:
     control   Control: answers the `user.kvfs.*` virtual xattrs used by kvfsctl
     handles   open file handles (fh -> Handle)
     dirs      open directory handles (fh -> snapshot of entries)
+    shim      kvfs._fuseshim when FUSE passthrough may be used (set by the daemon), else None
+    backing   inodes in passthrough mode (ino -> [backing id, opens carrying it])
+
+FUSE passthrough (Linux 6.9+): an open for reading of a file whose chunks are all in DRAM
+(and check out) is answered with the backing id of its DRAM file, and the kernel serves its
+reads (and mmap) from tmpfs without asking the daemon. The kernel allows one backing file per
+inode while any such open lives, and refuses (EIO) an open of that inode without it; so while
+an inode is in passthrough mode every open of it carries its backing id, and the ones that
+must not bypass the daemon (writers, O_DIRECT, a file that does not check out) also carry
+direct_io, which sends their reads and writes here as before. The store keeps the DRAM copies
+of such a file where they are (`pin_passthrough`) until its last passthrough open is released.
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ class Handle:
     ino: int
     flags: int
     pid: int = 0
+    backed: bool = False  # carries its inode's passthrough backing id
     # Chunks (chunk, seq) whose checksum this handle already verified: a sequence of small
     # reads checks each chunk once, not once per read.
     verified: set = field(default_factory=set)
@@ -101,6 +113,8 @@ class Operations(pyfuse3.Operations):
         self.handles: dict[int, Handle] = {}
         self.dirs: dict[int, list[tuple[bytes, int]]] = {}
         self._fh = itertools.count(1)
+        self.shim = None
+        self.backing: dict[int, list[int]] = {}
 
     # -- helpers ---------------------------------------------------------------------------
     def _attr(self, inode: Inode) -> pyfuse3.EntryAttributes:
@@ -186,6 +200,8 @@ class Operations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.EFBIG)
             if attr.st_size < node.size:
                 await self.store.truncate(inode, node.size, attr.st_size)
+            elif attr.st_size > node.size:
+                self.store.resized(inode, attr.st_size)
             node.size = attr.st_size
             node.mtime_ns = now
         if fields.update_mode:
@@ -246,16 +262,61 @@ class Operations(pyfuse3.Operations):
             self._maybe_free(replaced)
 
     # -- files -----------------------------------------------------------------------------
-    def _open_handle(self, inode: Inode, flags: int, pid: int) -> pyfuse3.FileInfo:
+    def _open_handle(self, inode: Inode, flags: int, pid: int,
+                     mode: tuple[int, bool] | None = None) -> pyfuse3.FileInfo:
+        """A new handle; *mode* (backing id, direct) from `_passthrough_mode` marks its open
+        reply for passthrough."""
         fh = next(self._fh)
-        self.handles[fh] = Handle(inode.ino, flags, pid)
+        self.handles[fh] = Handle(inode.ino, flags, pid, backed=mode is not None)
         inode.opens += 1
         if self.evictor is not None:
             self.evictor.touch(inode.ino)
+        if mode is not None:
+            self.shim.mark_passthrough(fh, mode[0], mode[1])
         # direct_io: every read and write reaches kvfs in requests of up to 1 MiB (twice the
         # throughput of page-cache-sized 128 KiB requests), and the page cache never holds a
-        # stale copy. mmap(MAP_PRIVATE) still works through the page cache.
+        # stale copy. mmap(MAP_PRIVATE) still works through the page cache. (A passthrough
+        # open without direct_io is read by the kernel from the DRAM file instead.)
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+
+    async def _passthrough_mode(self, node: Inode, flags: int) -> tuple[int, bool] | None:
+        """(backing id, direct_io) for a new open of *node*, or None for an ordinary open.
+        The open is then counted as one carrying the id; no await may come between this and
+        `_open_handle`."""
+        if self.shim is None or not node.is_reg:
+            return None
+        reader = flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_DIRECT
+        ready = reader and await self.store.passthrough_ready(node.ino, node.size)
+        b = self.backing.get(node.ino)  # looked up after the await: it may have changed
+        if b is None:
+            if not ready:
+                return None
+            fd = self.store.pin_passthrough(node.ino, node.size)
+            try:
+                backing_id = self.shim.backing_open(fd)
+            except OSError as exc:
+                self.store.unpin_passthrough(node.ino)
+                log.warning("FUSE passthrough unavailable (%s): every read goes through the "
+                            "daemon", exc)
+                self.shim = None
+                return None
+            b = self.backing[node.ino] = [backing_id, 0]
+        else:
+            self.store.pin_passthrough(node.ino, node.size, reads=ready)
+        b[1] += 1
+        return b[0], not ready
+
+    def _end_passthrough(self, h: Handle) -> None:
+        """A handle carrying its inode's backing id is released."""
+        b = self.backing[h.ino]
+        b[1] -= 1
+        if b[1] == 0:
+            del self.backing[h.ino]
+            try:
+                self.shim.backing_close(b[0])
+            except (OSError, AttributeError) as exc:
+                log.error("closing passthrough backing %d of inode %d: %s", b[0], h.ino, exc)
+        self.store.unpin_passthrough(h.ino)
 
     @_errors
     async def open(self, inode, flags, ctx):
@@ -268,8 +329,12 @@ class Operations(pyfuse3.Operations):
             node.size = 0
             node.mtime_ns = node.ctime_ns = time.time_ns()
             self.ns.save(node)
+        mode = await self._passthrough_mode(node, flags)
         self.readahead.opened(inode, flags, node.size, ctx.pid)
-        return self._open_handle(node, flags, ctx.pid)
+        if mode is not None and not mode[1]:
+            # The kernel reads it without us: the whole file counts as read now.
+            self.readahead.read(inode, 0, node.size, ctx.pid)
+        return self._open_handle(node, flags, ctx.pid, mode)
 
     @_errors
     async def create(self, parent_inode, name, mode, flags, ctx):
@@ -315,12 +380,13 @@ class Operations(pyfuse3.Operations):
 
     # -- writes copied straight into DRAM (called synchronously by kvfs._fuseshim) -----------
     # pyfuse3 copies a write's data into a bytes object before write() sees it, and write()
-    # copies it again into the DRAM slot. For the common write (fresh chunks, room in DRAM)
+    # copies it again into the DRAM file. For the common write (fresh chunks, room in DRAM)
     # the shim asks write_plan where the bytes go, copies (splices) them from the request
-    # straight into the arena file with the GIL released, and calls write_done; nothing else
-    # runs on the trio thread in between. Everything else takes the ordinary path above.
+    # straight into the file's DRAM file (at the same offset) with the GIL released, and
+    # calls write_done; nothing else runs on the trio thread in between. Everything else
+    # takes the ordinary path above.
     def write_plan(self, fh: int, off: int, size: int):
-        """None (use write()), an errno, or (token, arena fd, [(offset, length), ...])."""
+        """None (use write()), an errno, or (token, DRAM file fd, [(offset, length), ...])."""
         try:
             h = self.handles.get(fh)
             if h is None:
@@ -332,7 +398,7 @@ class Operations(pyfuse3.Operations):
             plan = self.store.plan_write(h.ino, off, size)
             if plan is None:
                 return None
-            return (h, plan, off + size), self.store.dram.fd, self.store.targets(plan)
+            return (h, plan, off + size), self.store.write_fd(plan), ((off, size),)
         except Exception:
             log.exception("write_plan failed")
             return None
@@ -359,6 +425,8 @@ class Operations(pyfuse3.Operations):
     @_errors
     async def release(self, fh):
         h = self.handles.pop(fh)
+        if h.backed:
+            self._end_passthrough(h)
         node = self.ns.inodes.get(h.ino)
         if node is None:
             return
@@ -471,6 +539,7 @@ class Operations(pyfuse3.Operations):
                 return errno.ENOSPC
             self.store.allocate(ino, offset, length)
             if not mode & FALLOC_FL_KEEP_SIZE and end > node.size:
+                self.store.resized(ino, end)
                 node.size = end
                 node.mtime_ns = node.ctime_ns = time.time_ns()
                 self.ns.save(node)

@@ -1,7 +1,9 @@
 """Offline consistency check of an unmounted kvfs (`fsck.kvfs`).
 
 Reads the metadata and verifies, for every chunk, that the copy it names exists and matches
-its checksum: NVMe records (header, identity, decode, xxh3) and DRAM slots (xxh3). Also checks
+its checksum: NVMe records (header, identity, decode, xxh3) and DRAM copies (xxh3), read
+from the inode's DRAM file (format 3; a format 1-2 store's arena is checked by a mount,
+which moves it). Also checks
 that every directory entry names an existing inode and reports files holding lost chunks.
 Read-only: it repairs nothing, so it is always safe to run.
 Exit codes follow fsck(8): 0 clean, 4 errors found, 8 operational error.
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import mmap
 import os
 
 import xxhash
@@ -52,7 +53,7 @@ def check(nvme_dir: str, dram_dir: str, out=print) -> int:
 def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
     cs = sb["chunk_size"]
     nvme = NvmeLog(nvme_dir, sb["uuid"], 1 << 62, sb["segment_size"])
-    arena = _open_arena(dram_dir, sb["uuid"])
+    dram = _dram_files(dram_dir, sb)
     codec = Codec()
     errors = 0
     chunks = nvme_ok = dram_ok = lost = 0
@@ -86,15 +87,19 @@ def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
                 except (RecordError, CodecError, OSError) as exc:
                     out(f"{where}: NVMe record in segment {seg} at {off}: {exc}")
                     errors += 1
-        if dram_slot >= 0 and arena is not None and flags & SEALED:
-            view = arena[dram_slot * cs:dram_slot * cs + (stored if flags & PACKED else raw_len)]
+        if dram_slot >= 0 and dram is not None and flags & SEALED:
             try:
+                with open(os.path.join(dram, f"{ino:x}"), "rb") as f:
+                    view = os.pread(f.fileno(), stored if flags & PACKED else raw_len, c * cs)
                 data = codec.decode(codec_id, view, raw_len) if flags & PACKED else view
                 ok = len(data) == raw_len and xxhash.xxh3_64_intdigest(data) == csum
+                problem = "checksum mismatch"
+            except FileNotFoundError:
+                ok, problem = False, "its DRAM file is missing"
             except CodecError:
-                ok = False
+                ok, problem = False, "checksum mismatch"
             if not ok:
-                out(f"{where}: DRAM copy in slot {dram_slot}: checksum mismatch")
+                out(f"{where}: DRAM copy: {problem}")
                 errors += 1
             else:
                 dram_ok += 1
@@ -108,12 +113,13 @@ def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
     return 4 if errors else 0
 
 
-def _open_arena(dram_dir: str, fs_uuid: str) -> mmap.mmap | None:
+def _dram_files(dram_dir: str, sb: dict) -> str | None:
+    """The directory of the store's DRAM files, or None if the DRAM tier is not this store's
+    (gone at a reboot, or another's) or not yet in the per-inode layout."""
     try:
         with open(os.path.join(dram_dir, "tag")) as f:
-            if f.read().strip() != fs_uuid:
+            if f.read().strip() != sb["uuid"]:
                 return None
-        with open(os.path.join(dram_dir, "arena"), "rb") as f:
-            return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    except (OSError, ValueError):
+    except OSError:
         return None
+    return os.path.join(dram_dir, "files") if sb.get("format", 0) >= 3 else None

@@ -46,6 +46,9 @@ class DramPolicy:
         # deadline(key): when a kept key is predicted to be read (None: not predicted). When
         # only kept keys are left, the one wanted last goes first.
         self.deadline: Callable[[Key], float | None] = _never
+        # pinned(key): the chunk's file is open in passthrough mode (the kernel reads its DRAM
+        # file): never a victim while it is.
+        self.pinned: Callable[[Key], bool] = _no
         self.cheap: Callable[[Key], bool] = _no
         # unpredicted(key): a demand read that no prediction saw coming is bringing this chunk
         # in from NVMe. It enters protected like a hit: it was reused (written, then read),
@@ -91,6 +94,8 @@ class DramPolicy:
         Keys readahead wants kept come last, the one wanted last first."""
         kept = []
         for key in list(self.probation) + list(self.protected):
+            if self.pinned(key):
+                continue
             if self.keep(key):
                 kept.append(key)
             else:
@@ -108,7 +113,7 @@ class DramPolicy:
         kept: list[Key] = []
         for queue in (self.probation, self.protected):
             for key in queue:
-                if key not in skip:
+                if key not in skip and not self.pinned(key):
                     if not self.keep(key):
                         return key
                     if len(kept) < KEPT_SCAN:
@@ -154,8 +159,7 @@ class Demoter:
     def over(self, mark: float, leaving: int = 0) -> bool:
         """Is DRAM above *mark*, not counting *leaving* bytes already being demoted?"""
         s = self.store
-        return (s.dram_load - leaving > mark * s.dram.capacity
-                or s.dram.free_slots < (1 - mark) * s.dram.nslots)
+        return s.dram_load - leaving > mark * s.dram.capacity
 
     async def run(self) -> None:
         while True:
@@ -215,13 +219,10 @@ class Demoter:
         too, in one transaction (no await in between): streaming reads through a small tier
         drop a copy per staged chunk, and a commit each was a tenth of the trio thread."""
         s = self.store
-        freed_slots = 0
-        with s.meta.write():  # slots are freed after the commit: count them meanwhile
+        with s.meta.write():
             for _ in range(self.CLEAN_RUN):
                 s.drop_dram_copy(key)
-                freed_slots += 1
-                if not (s.dram_load - self._leaving > mark * s.dram.capacity
-                        or s.dram.free_slots + freed_slots < (1 - mark) * s.dram.nslots):
+                if not s.dram_load - self._leaving > mark * s.dram.capacity:
                     return
                 key = s.policy.next_victim(self._inflight)
                 if key is None or not s.is_clean(key):

@@ -1,5 +1,6 @@
 # cython: language_level=3
-"""What pyfuse3 lacks, added underneath it: fallocate(2), and big copies without the GIL.
+"""What pyfuse3 lacks, added underneath it: fallocate(2), FUSE passthrough, and big copies
+without the GIL.
 
 Loaded with RTLD_GLOBAL before pyfuse3 (see kvfs/daemon.py), this module's definitions of
 libfuse functions are found before libfuse's own when pyfuse3 calls them:
@@ -21,8 +22,12 @@ libfuse functions are found before libfuse's own when pyfuse3 calls them:
   Python object is touched, and the trio thread that could change a DRAM slot is the one
   blocked in the copy.
 
+- `fuse_session_mount`, `fuse_reply_open` and `fuse_reply_create`: FUSE passthrough (Linux
+  6.9+; libfuse 3.14 does not know it), see "FUSE passthrough" below.
+
 If the interposition does not happen, `active()` stays False and kvfs behaves as before
-(fallocate answers EOPNOTSUPP; engines fall back to ftruncate; copies keep the GIL).
+(fallocate answers EOPNOTSUPP; engines fall back to ftruncate; copies keep the GIL; every
+read comes to the daemon).
 """
 
 cdef extern from *:
@@ -208,6 +213,171 @@ cdef extern from *:
         return r;
     }
 
+    /* -- FUSE passthrough (Linux 6.9+), which libfuse 3.14 does not know -------------------
+       fuse_session_mount is wrapped to route the session's traffic through custom I/O
+       functions (fuse_session_custom_io) that are plain read/writev/splice, except that
+       kvfs_writev edits two kinds of reply on their way to the kernel:
+       - the INIT reply (the session's first) asks for FUSE_PASSTHROUGH with a stack depth
+         of 1 (backing files live on tmpfs, depth 0);
+       - an OPEN or CREATE reply whose fh was marked with kvfs_pt_mark gets
+         FOPEN_PASSTHROUGH and the backing id: the kernel then reads and writes that open
+         file straight from the backing file, without a request to the daemon. */
+    #include <stdint.h>
+    #include <sys/ioctl.h>
+    #include <sys/uio.h>
+    #include <fcntl.h>
+    #include <unistd.h>
+
+    #define KVFS_INIT_EXT (1u << 30)
+    #define KVFS_PASSTHROUGH_HI (1u << (37 - 32))
+    #define KVFS_FOPEN_PASSTHROUGH (1u << 7)
+    struct kvfs_backing_map { int32_t fd; uint32_t flags; uint64_t padding; };
+    #define KVFS_DEV_IOC_BACKING_OPEN _IOW(229, 1, struct kvfs_backing_map)
+    #define KVFS_DEV_IOC_BACKING_CLOSE _IOW(229, 2, uint32_t)
+
+    struct kvfs_out_header { uint32_t len; int32_t error; uint64_t unique; };
+    /* fuse_init_out as the kernel knows it today: libfuse 3.14 sends 64 bytes, of which
+       it fills up to flags2; max_stack_depth is in what it leaves zero. */
+    struct kvfs_init_out {
+        uint32_t major, minor, max_readahead, flags;
+        uint16_t max_background, congestion_threshold;
+        uint32_t max_write, time_gran;
+        uint16_t max_pages, map_alignment;
+        uint32_t flags2, max_stack_depth;
+    };
+    struct kvfs_open_out { uint64_t fh; uint32_t open_flags; int32_t backing_id; };
+    #define KVFS_ENTRY_OUT_SIZE 128  /* fuse_entry_out (protocol 7.9+), before open_out */
+
+    static int kvfs_pt_wanted = 0;      /* ask for passthrough at INIT */
+    static int kvfs_pt_granted = 0;     /* INIT reply went out asking for it */
+    static int kvfs_init_seen = 0;
+    static int kvfs_dev_fd = -1;
+    static uint64_t kvfs_pt_fh = 0;     /* the open reply to mark, and its backing id */
+    static int32_t kvfs_pt_id = 0;
+    static int kvfs_pt_direct = 0;      /* ... keeping FOPEN_DIRECT_IO: reads and writes
+                                           still come to the daemon */
+    static size_t kvfs_pt_reply_off = (size_t)-1;  /* where the open_out sits in iov[1] */
+
+    static ssize_t kvfs_io_writev(int fd, struct iovec *iov, int count, void *ud) {
+        (void)ud;
+        if (count >= 2 && iov[0].iov_len >= sizeof(struct kvfs_out_header)) {
+            struct kvfs_out_header *out = (struct kvfs_out_header *)iov[0].iov_base;
+            if (!kvfs_init_seen) {
+                kvfs_init_seen = 1;
+                struct kvfs_init_out *init = (struct kvfs_init_out *)iov[1].iov_base;
+                if (kvfs_pt_wanted && out->error == 0 &&
+                        iov[1].iov_len >= sizeof(struct kvfs_init_out) && init->major == 7 &&
+                        (init->flags & KVFS_INIT_EXT)) {
+                    init->flags2 |= KVFS_PASSTHROUGH_HI;
+                    init->max_stack_depth = 1;
+                    kvfs_pt_granted = 1;
+                }
+            } else if (kvfs_pt_reply_off != (size_t)-1 && out->error == 0 &&
+                       iov[1].iov_len >= kvfs_pt_reply_off + sizeof(struct kvfs_open_out)) {
+                struct kvfs_open_out *o =
+                    (struct kvfs_open_out *)((char *)iov[1].iov_base + kvfs_pt_reply_off);
+                o->open_flags |= KVFS_FOPEN_PASSTHROUGH;
+                if (!kvfs_pt_direct)
+                    o->open_flags &= ~1u;  /* FOPEN_DIRECT_IO would override passthrough */
+                o->backing_id = kvfs_pt_id;
+            }
+        }
+        return writev(fd, iov, count);
+    }
+
+    static ssize_t kvfs_io_read(int fd, void *buf, size_t len, void *ud) {
+        (void)ud;
+        return read(fd, buf, len);
+    }
+
+    static ssize_t kvfs_io_splice_receive(int fdin, off_t *offin, int fdout, off_t *offout,
+                                          size_t len, unsigned int flags, void *ud) {
+        (void)ud;
+        return splice(fdin, offin, fdout, offout, len, flags);
+    }
+
+    static ssize_t kvfs_io_splice_send(int fdin, off_t *offin, int fdout, off_t *offout,
+                                       size_t len, unsigned int flags, void *ud) {
+        (void)ud;
+        return splice(fdin, offin, fdout, offout, len, flags);
+    }
+
+    static const struct fuse_custom_io kvfs_io = {
+        .writev = kvfs_io_writev,
+        .read = kvfs_io_read,
+        .splice_receive = kvfs_io_splice_receive,
+        .splice_send = kvfs_io_splice_send,
+    };
+
+    typedef int (*kvfs_session_mount_t)(struct fuse_session *, const char *);
+
+    int fuse_session_mount(struct fuse_session *se, const char *mountpoint) {
+        kvfs_session_mount_t real = (kvfs_session_mount_t)kvfs_next("fuse_session_mount");
+        if (real == NULL)
+            return -1;
+        int r = real(se, mountpoint);
+        if (r != 0)
+            return r;
+        kvfs_dev_fd = fuse_session_fd(se);
+        kvfs_init_seen = 0;
+        kvfs_pt_granted = 0;
+        if (kvfs_pt_wanted && fuse_session_custom_io(se, &kvfs_io, kvfs_dev_fd) != 0)
+            kvfs_pt_wanted = 0;
+        return 0;
+    }
+
+    typedef int (*kvfs_reply_open_t)(fuse_req_t, const struct fuse_file_info *);
+    typedef int (*kvfs_reply_create_t)(fuse_req_t, const struct fuse_entry_param *,
+                                       const struct fuse_file_info *);
+
+    int fuse_reply_open(fuse_req_t req, const struct fuse_file_info *f) {
+        static kvfs_reply_open_t real = NULL;
+        if (real == NULL)
+            real = (kvfs_reply_open_t)kvfs_next("fuse_reply_open");
+        if (!kvfs_pt_id || f->fh != kvfs_pt_fh)
+            return real(req, f);
+        kvfs_pt_reply_off = 0;
+        int r = real(req, f);
+        kvfs_pt_reply_off = (size_t)-1;
+        kvfs_pt_id = 0;
+        return r;
+    }
+
+    int fuse_reply_create(fuse_req_t req, const struct fuse_entry_param *e,
+                          const struct fuse_file_info *f) {
+        static kvfs_reply_create_t real = NULL;
+        if (real == NULL)
+            real = (kvfs_reply_create_t)kvfs_next("fuse_reply_create");
+        if (!kvfs_pt_id || f->fh != kvfs_pt_fh)
+            return real(req, e, f);
+        kvfs_pt_reply_off = KVFS_ENTRY_OUT_SIZE;
+        int r = real(req, e, f);
+        kvfs_pt_reply_off = (size_t)-1;
+        kvfs_pt_id = 0;
+        return r;
+    }
+
+    static int kvfs_backing_open(int fd) {
+        struct kvfs_backing_map map = { .fd = fd, .flags = 0, .padding = 0 };
+        if (!kvfs_pt_granted || kvfs_dev_fd < 0)
+            return -ENOTSUP;
+        int id = ioctl(kvfs_dev_fd, KVFS_DEV_IOC_BACKING_OPEN, &map);
+        return id < 0 ? -errno : id;
+    }
+
+    static int kvfs_backing_close(int id) {
+        uint32_t u = (uint32_t)id;
+        if (kvfs_dev_fd < 0)
+            return -EBADF;
+        return ioctl(kvfs_dev_fd, KVFS_DEV_IOC_BACKING_CLOSE, &u) < 0 ? -errno : 0;
+    }
+
+    static void kvfs_pt_mark(uint64_t fh, int32_t id, int direct) {
+        kvfs_pt_fh = fh;
+        kvfs_pt_id = id;
+        kvfs_pt_direct = direct;
+    }
+
     static void kvfs_set_write_handlers(PyObject *plan, PyObject *done) {
         Py_XINCREF(plan);
         Py_XINCREF(done);
@@ -224,6 +394,11 @@ cdef extern from *:
     }
     """
     int kvfs_shim_active
+    int kvfs_pt_wanted
+    int kvfs_pt_granted
+    int kvfs_backing_open(int fd)
+    int kvfs_backing_close(int id)
+    void kvfs_pt_mark(unsigned long long fh, int id, int direct)
     void kvfs_set_handler(object fn)
     void kvfs_set_write_handlers(object plan, object done)
 
@@ -244,3 +419,37 @@ def set_write_handlers(plan, done) -> None:
 def active() -> bool:
     """True once pyfuse3's session was created through this module's fuse_session_new."""
     return kvfs_shim_active != 0
+
+
+def want_passthrough(on: bool) -> None:
+    """Ask the kernel for FUSE passthrough at the next mount (call before pyfuse3.init)."""
+    global kvfs_pt_wanted
+    kvfs_pt_wanted = 1 if on else 0
+
+
+def passthrough_granted() -> bool:
+    """True once the INIT reply asked for passthrough (the kernel offered it)."""
+    return kvfs_pt_granted != 0
+
+
+def backing_open(int fd) -> int:
+    """Register *fd* (a regular file) as a backing file; returns its id (> 0). OSError
+    when the kernel refuses (no passthrough, not allowed, a stacked filesystem)."""
+    cdef int r = kvfs_backing_open(fd)
+    if r < 0:
+        raise OSError(-r, "FUSE_DEV_IOC_BACKING_OPEN failed")
+    return r
+
+
+def backing_close(int backing_id) -> None:
+    cdef int r = kvfs_backing_close(backing_id)
+    if r < 0:
+        raise OSError(-r, "FUSE_DEV_IOC_BACKING_CLOSE failed")
+
+
+def mark_passthrough(unsigned long long fh, int backing_id, bint direct=False) -> None:
+    """The reply to the open or create that returns *fh* opens it in passthrough mode on
+    *backing_id* (with *direct*, its reads and writes still come to the daemon: the kernel
+    only requires every open of an inode in passthrough mode to carry its backing file);
+    call just before returning that FileInfo (nothing else may reply first)."""
+    kvfs_pt_mark(fh, backing_id, 1 if direct else 0)

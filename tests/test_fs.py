@@ -312,3 +312,94 @@ def test_fallocate_reserves_space(kv):
     os.unlink(kv.path / "reserved")
     time.sleep(0.5)
     (kv.path / "after").write_bytes(os.urandom(4 << 20))  # the reservation is returned
+
+
+# -- FUSE passthrough: reads served by the kernel straight from a file's DRAM file ----------
+def _pt_opens(m) -> int:
+    return m.status()["passthrough"]["opens"]
+
+
+def test_reads_of_a_dram_resident_file_bypass_the_daemon(kv):
+    data = os.urandom(200_000)
+    (kv.path / "r").write_bytes(data)
+    before = kv.status()
+    with open(kv.path / "r", "rb") as f:
+        assert kv.status()["passthrough"]["open_files"] == 1
+        assert f.read() == data
+        f.seek(70_000)
+        assert f.read(1000) == data[70_000:71_000]
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        assert m[:] == data
+        m.close()
+    after = kv.status()
+    assert after["passthrough"]["opens"] == before["passthrough"]["opens"] + 1
+    assert after["passthrough"]["open_files"] == 0
+    assert (after["reads"]["chunks_from_dram"] - before["reads"]["chunks_from_dram"]
+            == after["passthrough"]["chunks"] - before["passthrough"]["chunks"] == 4)
+
+
+def test_other_opens_of_a_file_in_passthrough_mode(kv):
+    """While a reader holds a file in passthrough mode, every other open of it must still
+    work (the kernel insists on one backing file per inode): more readers, a writer whose
+    bytes the reader sees at once, an O_DIRECT reader still held to alignment, truncation
+    and growth."""
+    p = kv.path / "shared"
+    data = bytearray(os.urandom(150_000))
+    p.write_bytes(data)
+    reader = os.open(p, os.O_RDONLY)
+    try:
+        second = os.open(p, os.O_RDONLY)
+        assert os.pread(second, 10, 0) == data[:10]
+        os.close(second)
+        writer = os.open(p, os.O_RDWR)
+        os.pwrite(writer, b"NEW", 100_000)
+        data[100_000:100_003] = b"NEW"
+        assert os.pread(reader, 10, 99_998) == bytes(data[99_998:100_008])
+        os.pwrite(writer, b"tail", len(data))  # grows the file
+        data += b"tail"
+        assert os.pread(reader, 100, len(data) - 4) == b"tail"
+        os.ftruncate(writer, 1000)
+        assert os.pread(reader, 2000, 0) == bytes(data[:1000])
+        os.ftruncate(writer, 5000)  # grows with a hole
+        assert os.pread(reader, 6000, 0) == bytes(data[:1000]) + bytes(4000)
+        os.close(writer)
+        direct = os.open(p, os.O_RDONLY | os.O_DIRECT)
+        assert _err(os.pread, direct, 100, 0) == errno.EINVAL
+        os.close(direct)
+    finally:
+        os.close(reader)
+    assert p.read_bytes() == bytes(data[:1000]) + bytes(4000)
+
+
+def test_passthrough_only_for_files_wholly_in_dram(kv):
+    """A file with chunks on NVMe, a writer's open and an O_DIRECT open are served by the
+    daemon; so is everything with passthrough off."""
+    files = {f"n{i}": os.urandom(256 << 10) for i in range(40)}  # 10 MiB through 4 MiB
+    for name, data in files.items():
+        (kv.path / name).write_bytes(data)
+    on_nvme = [n for n in files if kv.tiers(n) == {"nvme"}]
+    assert on_nvme
+    opens = _pt_opens(kv)
+    with open(kv.path / on_nvme[0], "rb") as f:
+        assert f.read() == files[on_nvme[0]]
+    with open(kv.path / on_nvme[0], "r+b") as f:
+        assert f.read(10) == files[on_nvme[0]][:10]
+    assert _pt_opens(kv) == opens
+    kv.unmount()
+    kv.start(passthrough="0")
+    for name, data in files.items():
+        assert (kv.path / name).read_bytes() == data
+    assert _pt_opens(kv) == 0
+
+
+def test_a_file_in_passthrough_mode_keeps_its_dram_copies(kv):
+    """Demotion passes over a file the kernel is reading from its DRAM file."""
+    data = os.urandom(300_000)
+    (kv.path / "held").write_bytes(data)
+    with open(kv.path / "held", "rb") as f:
+        for i in range(40):  # 10 MiB of new writes through a 4 MiB tier
+            (kv.path / f"w{i}").write_bytes(os.urandom(256 << 10))
+        assert kv.tiers("held") == {"dram"}
+        assert f.read() == data
+    assert kv.status()["passthrough"]["open_files"] == 0
+    assert (kv.path / "held").read_bytes() == data

@@ -57,8 +57,8 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                         "cache_mode, nocompress, dram_high_watermark=, dram_low_watermark=, "
                         "io_threads=, readahead_chunks=, prefetch= (0 turns prediction off), "
                         "prefetch_bandwidth=, streams= (1-5 NVMe placement streams), "
-                        "nodram_prefault (take DRAM-tier RAM as used instead of reserving "
-                        "it at mount), dram_compress (as --dram-compress)")
+                        "dram_compress (as --dram-compress), nopassthrough (every read "
+                        "goes through the daemon, never straight from a DRAM file)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -1,4 +1,4 @@
-"""ChunkStore: file byte ranges <-> chunks <-> copies in the DRAM arena and the NVMe log.
+"""ChunkStore: file byte ranges <-> chunks <-> copies in the DRAM tier and the NVMe log.
 
 Every chunk has one location tuple (`Loc`) in the Cython index and the same tuple in lmdb's
 `chunks` table. A chunk is in one of three states:
@@ -7,19 +7,24 @@ Every chunk has one location tuple (`Loc`) in the Cython index and the same tupl
     both (clean copy)   dram_slot >= 0, seg > 0    - identical bytes on NVMe
     NVMe only           dram_slot < 0,  seg > 0
 
-With `dram_compress`, a clean copy may be *packed*: flag PACKED, and its slot holds the NVMe
-record's payload (`stored_len` bytes, encoded with `codec`) instead of the raw bytes. A read
-decodes it in a worker; a write or truncation drops it first (it is clean), so a packed slot
-is never written in place and a worker decoding it only needs the slot pinned.
+A DRAM copy lives in its *region*: the chunk's own offset in its inode's DRAM file
+(kvfs/store/dram.py); `dram_slot` is IN_DRAM (0) for every copy since format 3.
+
+With `dram_compress`, a clean copy may be *packed*: flag PACKED, and its region holds the
+NVMe record's payload (`stored_len` bytes, encoded with `codec`) instead of the raw bytes. A
+read decodes it in a worker; a write or truncation drops it first (it is clean), so a packed
+region is never written in place. A file with a packed chunk is never opened in passthrough.
 
 Concurrency protocol (all of this runs on the trio thread; see docs/DESIGN.md):
 - Between two awaits a task owns every structure here. Index, lmdb and arena writes for one
   operation happen without an await in between, so readers never see half an update.
 - Work in worker threads (NVMe I/O, compression, checksums of whole files) only reads a DRAM
-  slot and returns results; the trio side then re-checks the chunk's `seq`. Every change of a
+  region and returns results; the trio side then re-checks the chunk's `seq`. Every change of a
   chunk's bytes takes a new seq, so a result computed from bytes that changed meanwhile is
-  recognised and thrown away (its NVMe record is marked dead).
-- A slot or a record is released only after the location that replaces it is committed
+  recognised and thrown away (its NVMe record is marked dead). The one writer is an NVMe read
+  staging a chunk: it claims the region first, and until it is done (`_fetching`) writes and
+  truncations of that chunk wait.
+- A region or a record is released only after the location that replaces it is committed
   (MetaStore.after_commit): invariant 4.
 - A sealed chunk (checksum valid) that is about to change is unsealed in lmdb *before* its
   bytes change, so a crash never leaves new bytes under an old checksum.
@@ -29,6 +34,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
+import os
 import struct
 import time
 from collections.abc import Callable
@@ -42,7 +49,7 @@ import xxhash
 from kvfs._index import ChunkIndex
 from kvfs.store.choices import ChoiceMemory
 from kvfs.store.codec import CODEC_RAW, Codec, CodecError
-from kvfs.store.dram import DramArena, pages
+from kvfs.store.dram import DramFile, DramFiles, pages
 from kvfs.store.meta import MetaStore, from_key2, from_u64, key2, u64
 from kvfs.store.nvme import NvmeFull, NvmeLog, RecordError, RecordHeader, record_length
 
@@ -50,7 +57,8 @@ log = logging.getLogger(__name__)
 
 SEALED = 1  # checksum covers the current bytes
 LOST = 2  # the only copy was in DRAM and DRAM was lost (reboot): reads fail with EIO
-PACKED = 4  # the DRAM slot holds the NVMe record's payload, not the raw bytes (format 2)
+PACKED = 4  # the DRAM region holds the NVMe record's payload, not the raw bytes (format 2)
+IN_DRAM = 0  # dram_slot of a chunk with a DRAM copy (format 3: the region is implied)
 STREAM_USER = 0
 STREAM_GC = 1
 _LOC = struct.Struct("<qIQIIIBBQQ")
@@ -59,8 +67,9 @@ INLINE_HASH_BYTES = 512 << 10
 # NVMe reads keep a clean DRAM copy while DRAM holds less than this share (no eviction for
 # a promotion: the demoter keeps room for writes below the high watermark).
 PROMOTE_SHARE = 0.9
-# Bytes of the arena populated per worker call at mount: short enough not to hold a thread.
-PREFAULT_BATCH = 16 << 20
+# Files open in passthrough mode cannot lose their DRAM copies; they may hold at most this
+# share of the tier, so that writes always find room to demote into.
+PASSTHROUGH_SHARE = 0.5
 # Chunks per writeback batch (see ChunkStore.writeback_many): 4 x 256 KiB..1 MiB chunks keep
 # a worker busy ~1-2 ms, which is about the lead a write waiting for room can afford.
 WRITEBACK_BATCH = 4
@@ -81,15 +90,15 @@ class Loc(NamedTuple):
 
 @dataclass
 class WritePlan:
-    """A write whose bytes are copied straight into fresh DRAM slots (plan_write)."""
+    """A write whose bytes are copied straight into DRAM regions (plan_write)."""
 
     ino: int
-    # (chunk, slot, start, stop, location before the write); in place if it had a DRAM slot
-    pieces: list[tuple[int, int, int, int, Loc | None]]
+    # (chunk, start, stop, location before the write); in place if it had a DRAM copy
+    pieces: list[tuple[int, int, int, Loc | None]]
 
 
 def slot_len(loc: Loc) -> int:
-    """Bytes a chunk's DRAM slot holds: its record's payload when packed, else its bytes."""
+    """Bytes a chunk's DRAM region holds: its record's payload when packed, else its bytes."""
     return loc.stored_len if loc.flags & PACKED else loc.raw_len
 
 
@@ -131,6 +140,8 @@ class Counters:
     prefetch_late: int = 0  # a demand read found its chunk's prefetch still in flight
     prefetch_wasted: int = 0  # a prefetched chunk left DRAM unread
     direct_writes: int = 0  # writes copied by the shim straight into DRAM (plan_write)
+    passthrough_opens: int = 0  # opens the kernel serves from the DRAM file itself
+    passthrough_chunks: int = 0  # ... their chunks (counted in chunks_from_dram too)
     unpacked: int = 0  # DRAM hits that decoded a packed copy
 
 
@@ -141,7 +152,7 @@ class _Job:
     ino: int
     c: int
     loc: Loc
-    view: memoryview
+    held: DramFile  # the chunk's DRAM file, open until the worker is done
     stream: int
     codec_id: int | None  # the file's codec (None: not chosen yet)
     chooses: bool = False  # this job makes the file's choice (from hint or expected)
@@ -155,8 +166,7 @@ class _Job:
     rec_len: int = 0
     seg: object = None
     off: int = 0
-    pack_slot: int = -1  # a DRAM slot the worker copies the payload into (a packed copy)
-    packed: bool = False  # ... and it did
+    mismatch: bool = False  # sealed, and the bytes read did not match the checksum
 
 
 class ChunkStore:
@@ -164,24 +174,23 @@ class ChunkStore:
 
     def __init__(self, meta: MetaStore, fs_uuid: str, *, chunk_size: int, dram_dir: str,
                  dram_size: int, nvme_dir: str, nvme_size: int, segment_size: int,
-                 codec: Codec, io_threads: int, policy, dram_prefault: bool = True,
-                 dram_compress: bool = False) -> None:
+                 codec: Codec, io_threads: int, policy, dram_compress: bool = False) -> None:
         self.meta = meta
         self.cs = chunk_size
         self.codec = codec
         # Clean DRAM copies are kept packed (compressed) when that saves pages.
         self.dram_compress = dram_compress
-        if dram_compress:
-            meta.require_format(2)  # PACKED: a kvfs that does not know it must not mount this
         self.policy = policy
         self.index = ChunkIndex(1 << 16)
-        self.dram = DramArena(dram_dir, fs_uuid, chunk_size, dram_size, prefault=dram_prefault)
+        self.dram = DramFiles(dram_dir, fs_uuid, chunk_size, dram_size)
+        # Regions released by a commit give their pages back once the commit is done.
+        meta.on_settled = self.dram.settle
         self.nvme = NvmeLog(nvme_dir, fs_uuid, nvme_size, segment_size)
         self.limiter = trio.CapacityLimiter(io_threads)
         self.counters = Counters()
         # Accounting (bytes), kept exact by _account() on every location change.
         self.dram_used = 0  # pages of chunk data in DRAM
-        self.dram_filling = 0  # pages of slots taken by NVMe reads not committed yet
+        self.dram_filling = 0  # pages of regions NVMe reads are filling, not committed yet
         self.dram_logical = 0
         self.dram_chunks = 0
         self.dram_packed = 0  # chunks whose DRAM copy is packed
@@ -213,16 +222,21 @@ class ChunkStore:
         # Prefetch bookkeeping: chunks staged ahead of a read and not read yet, and in flight.
         self.prefetched: set[tuple[int, int]] = set()
         self._prefetching: set[tuple[int, int]] = set()
-        # Chunks a prefetch decoded and verified in their DRAM slot, not read since -> seq:
+        # Chunks a prefetch decoded and verified on their way into DRAM, not read since -> seq:
         # the first read counts as that verified read (as a demand read from NVMe does)
         # instead of hashing the chunk again on the trio thread; later reads check again.
         self._verified_in_slot: dict[tuple[int, int], int] = {}
         # Prefetch never takes the worker threads demand reads need.
         self.prefetch_limiter = trio.CapacityLimiter(max(1, io_threads // 2))
         self.high_water = int(0.9 * dram_size)  # set by tiering; start demoting above it
-        self.low_slots = self.dram.nslots // 10
         # Room kept free on NVMe so that cleaning always has somewhere to copy to.
         self.nvme_reserve = 2 * segment_size + nvme_size // 20
+        # Reads of DRAM copies land here: a read's reply is sent before any other task runs
+        # (see `read`), so one buffer serves them all.
+        self._scratch = bytearray(chunk_size)
+        # Files open in passthrough mode -> DRAM bytes they held when first opened.
+        self._pinned: dict[int, int] = {}
+        self.pinned_bytes = 0
         self._load()
 
     # -- startup ---------------------------------------------------------------------------
@@ -231,20 +245,32 @@ class ChunkStore:
             self.seq = self.meta.counter(txn, b"next_seq", 1)
         for k, v in self.meta.scan("alloc"):
             self.allocated[from_u64(k)] = from_u64(v)
-        slots: dict[int, int] = {}
+        arena = self._old_arena()
         lost_dram = not self.dram.survived
         fixes: list[tuple[int, int, Loc | None]] = []
         missing: set[int] = set()
+        absent: dict[int, bool] = {}  # ino -> its DRAM file is missing
+        owned: dict[int, list[tuple[int, int]]] = {}
         for k, v in self.meta.scan("chunks"):
             ino, c = from_key2(k)
             loc = Loc._make(_LOC.unpack(v))
             self.seq = max(self.seq, loc.seq + 1)
+            if arena is not None and loc.dram_slot >= 0:
+                loc = self._migrate_chunk(arena, ino, c, loc)
+                fixes.append((ino, c, loc))
+            if loc.dram_slot >= 0 and not lost_dram:
+                if ino not in absent:
+                    absent[ino] = self.dram.missing(ino)
+                if absent[ino]:
+                    log.error("inode %d chunk %d: its DRAM file is missing", ino, c)
+                    loc = nvme_only(loc) if loc.seg else loc._replace(dram_slot=-1, flags=LOST)
+                    fixes.append((ino, c, loc))
             if loc.seg and loc.seg not in self.nvme.segments:
                 if loc.seg not in missing:
                     missing.add(loc.seg)
                     log.error("segment %d is missing: its chunks are lost (first: inode %d "
                               "chunk %d)", loc.seg, ino, c)
-                if loc.flags & PACKED and not lost_dram and loc.dram_slot not in slots:
+                if loc.flags & PACKED and not lost_dram and loc.dram_slot >= 0:
                     loc = self._unpack_at_mount(ino, c, loc)
                 if loc.dram_slot < 0 or lost_dram or loc.flags & PACKED:
                     loc = loc._replace(dram_slot=-1, flags=LOST)
@@ -258,12 +284,7 @@ class ChunkStore:
                     loc = loc._replace(dram_slot=-1, flags=LOST)
                 fixes.append((ino, c, loc))
             if loc.dram_slot >= 0:
-                if loc.dram_slot >= self.dram.nslots or loc.dram_slot in slots:
-                    log.error("inode %d chunk %d: bad DRAM slot %d", ino, c, loc.dram_slot)
-                    loc = nvme_only(loc) if loc.seg else loc._replace(dram_slot=-1, flags=LOST)
-                    fixes.append((ino, c, loc))
-                else:
-                    slots[loc.dram_slot] = slot_len(loc)
+                owned.setdefault(ino, []).append((c, slot_len(loc)))
             self.index.set(ino, c, tuple(loc))
             self._account(ino, None, loc)
             if loc.dram_slot >= 0:
@@ -273,31 +294,51 @@ class ChunkStore:
             if loc.seg:
                 self.nvme.segments[loc.seg].live_bytes += loc.rec_len
         self.reserved = sum(self.reservation(ino) for ino in self.allocated)
-        self.dram.adopt(slots)
+        self.dram.adopt(owned)
         # Chunks caught mid-write by a crash were never sealed: seal what is there now.
         with self.meta.write() as txn:
+            # With the fixes: a migrated store must never be migrated again (slots are gone).
+            self.meta.set_format(txn, 3)
             for ino, c, loc in fixes:
                 self._store_loc(txn, ino, c, loc)
             for ino, c, loc in self.index.items():
                 loc = Loc._make(loc)
                 if loc.dram_slot >= 0 and not loc.flags & SEALED:
-                    csum = _hash(self.dram.slot_view(loc.dram_slot, loc.raw_len))
+                    csum = _hash(self._dram_bytes(ino, c, loc.raw_len))
                     self._store_loc(txn, ino, c, loc._replace(flags=SEALED, checksum=csum))
+        if arena is not None:
+            self.meta.sync()
+            arena.close()
+            os.unlink(self.dram.arena_path)
+            log.info("DRAM tier: moved from the arena file to one file per inode")
         for seg in list(self.nvme.segments.values()):
             self.nvme._maybe_delete(seg)
 
+    def _old_arena(self) -> mmap.mmap | None:
+        """The DRAM arena of a format 1-2 store, if it survived: its chunks are moved into
+        per-inode files at this mount (`_migrate_chunk`)."""
+        if not self.dram.survived or not os.path.exists(self.dram.arena_path):
+            return None
+        with open(self.dram.arena_path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return None
+            return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+
+    def _migrate_chunk(self, arena: mmap.mmap, ino: int, c: int, loc: Loc) -> Loc:
+        """Copy a chunk's DRAM copy from its old arena slot into its region."""
+        start = loc.dram_slot * self.cs
+        self.dram.write(ino, c, 0, arena[start:start + slot_len(loc)])
+        return loc._replace(dram_slot=IN_DRAM)
+
     def _unpack_at_mount(self, ino: int, c: int, loc: Loc) -> Loc:
         """A packed copy whose segment is gone becomes the chunk's only copy: decode it
-        into its slot (raw, sealed) if it checks out, else leave it PACKED (then lost)."""
-        if not 0 <= loc.dram_slot < self.dram.nslots:
-            return loc
+        into its region (raw, sealed) if it checks out, else leave it PACKED (then lost)."""
         try:
-            data = self.codec.decode(loc.codec, self.dram.slot_view(loc.dram_slot,
-                                                                    loc.stored_len),
+            data = self.codec.decode(loc.codec, self._dram_bytes(ino, c, loc.stored_len),
                                      loc.raw_len)
             if len(data) != loc.raw_len or _hash(data) != loc.checksum:
                 raise CodecError("checksum mismatch")
-            self.dram.write(loc.dram_slot, 0, data)
+            self.dram.write(ino, c, 0, data)
         except (CodecError, OSError) as exc:
             log.error("inode %d chunk %d: packed DRAM copy unusable (%s)", ino, c, exc)
             return loc
@@ -309,6 +350,20 @@ class ChunkStore:
             self.meta.set_counter(txn, b"next_seq", self.seq)
         self.dram.close()
         self.nvme.close()
+
+    def _dram_bytes_at(self, ino: int, c: int, start: int, length: int) -> memoryview:
+        """`_dram_bytes` of [start, start+length) of the region (empty if length <= 0)."""
+        view = memoryview(self._scratch)[:max(0, length)]
+        if length > 0:
+            self.dram.read_region(self.dram.fd(ino), c * self.cs + start, view)
+        return view
+
+    def _dram_bytes(self, ino: int, c: int, length: int) -> memoryview:
+        """The first *length* bytes of region (ino, c), read into the scratch buffer: valid
+        until the next read of a region on this thread (no await may come in between)."""
+        view = memoryview(self._scratch)[:length]
+        self.dram.read_into(ino, c, view)
+        return view
 
     # -- location bookkeeping --------------------------------------------------------------
     def _next_seq(self) -> int:
@@ -360,8 +415,8 @@ class ChunkStore:
             if key in self.prefetched:
                 self.prefetched.discard(key)
                 self.counters.prefetch_wasted += 1
-            slot, length = old.dram_slot, slot_len(old)
-            self.meta.after_commit(lambda: self.dram.free(slot, length))
+            length = slot_len(old)
+            self.meta.after_commit(lambda: self.dram.release(ino, c, length))
         if old is not None and old.seg and (new is None or (new.seg, new.off) !=
                                             (old.seg, old.off)):
             seg, rec_len = old.seg, old.rec_len
@@ -444,10 +499,10 @@ class ChunkStore:
         self._space = trio.Event()
 
     async def _wait_dram(self, growth: int) -> None:
-        """Wait until the arena has a free slot and room for *growth* more bytes."""
-        while self.dram.free_slots == 0 or self.dram_load + growth > self.dram.capacity:
+        """Wait until the DRAM tier has room for *growth* more bytes."""
+        while self.dram_load + growth > self.dram.capacity:
             if not self._drop_one_clean():
-                if self.dram_chunks == 0 and self.dram.free_slots:
+                if self.dram_chunks == 0:
                     return  # a single write bigger than DRAM: let it through
                 self.space_waiters += 1
                 try:
@@ -467,54 +522,33 @@ class ChunkStore:
             break  # the oldest is dirty: leave it to the demoter, it keeps eviction order
         return False
 
-    async def prefault_dram(self) -> None:
-        """Populate the arena's free slots up to its capacity, a batch at a time in a worker
-        thread (background task; see DramArena)."""
-        while self.dram.prefault:
-            slots = self.dram.to_prefault(PREFAULT_BATCH)
-            if not slots:
-                return
-            ok = False
-            try:
-                await trio.to_thread.run_sync(self.dram.fill, slots, limiter=self.limiter)
-                ok = True
-            except OSError as exc:
-                log.warning("DRAM tier: cannot reserve its RAM (%s); pages come as used", exc)
-                return
-            finally:
-                self.dram.prefaulted(slots, ok)
-
-    async def run_punches(self) -> None:
-        """Give freed DRAM slots' pages back in a worker thread, not on the trio thread (a
-        run of demotions frees dozens at ~50 us each); see DramArena.defer_punches."""
+    async def run_disposals(self) -> None:
+        """Remove DRAM files nobody needs any more in a worker thread, not on the trio thread
+        (freeing a file's pages takes tens of microseconds per MiB); see DramFiles.dispose."""
         wake = trio.Event()
-        self.dram.on_punch_queued = wake.set
-        self.dram.defer_punches = True
+        self.dram.on_disposal_queued = wake.set
         try:
             while True:
                 await wake.wait()
                 wake = trio.Event()
-                self.dram.on_punch_queued = wake.set
-                while self.dram.pending_punches:
-                    batch = self.dram.take_punches()
+                self.dram.on_disposal_queued = wake.set
+                while self.dram.pending_disposals:
+                    batch = self.dram.take_disposals()
                     try:
-                        done = await trio.to_thread.run_sync(self.dram.punch_many, batch,
-                                                             limiter=self.limiter)
-                    except BaseException:
-                        try:  # cancelled before the thread ran: punch them here
-                            self.dram.punch_queued(batch)
-                        except Exception:  # counted as not punched: back with their pages
-                            self.dram.punched(batch, [False] * len(batch))
+                        await trio.to_thread.run_sync(self.dram.dispose_many, batch,
+                                                      limiter=self.limiter)
+                    except trio.Cancelled:
+                        self.dram.dispose_many(batch)  # cancelled before the thread ran
                         raise
-                    self.dram.punched(batch, done)
         finally:
-            self.dram.defer_punches = False
-            self.dram.on_punch_queued = lambda: None
-            self.dram.punch_queued(self.dram.take_punches())
+            self.dram.on_disposal_queued = lambda: None
 
     # -- read ------------------------------------------------------------------------------
     async def read(self, ino: int, off: int, size: int, file_size: int,
                    verified: set | None = None) -> bytes | memoryview:
+        """The bytes of [off, off+size) (short at the end of the file). A memoryview returned
+        may be of the store's scratch buffer: valid until the caller's next await (pyfuse3
+        sends it to the kernel before any other task runs)."""
         end = min(off + size, file_size)
         if off >= end:
             return b""
@@ -527,7 +561,7 @@ class ChunkStore:
             start = max(off, c * cs) - c * cs
             stop = min(end, (c + 1) * cs) - c * cs
             part = await self._read_piece(ino, c, start, stop - start, verified)
-            # A view into a DRAM slot is only valid until the next await: copy it.
+            # A view of the scratch buffer is only valid until the next await: copy it.
             parts.append(bytes(part) if isinstance(part, memoryview) else part)
         return b"".join(parts)
 
@@ -552,20 +586,25 @@ class ChunkStore:
                 self._record_latency(t0, self.counters.read_latency_dram_us)
                 return _slice(memoryview(data), start, length)
             if loc.dram_slot >= 0:
-                view = self.dram.slot_view(loc.dram_slot, loc.raw_len)
-                if loc.flags & SEALED and (verified is None or (c, loc.seq) not in verified):
-                    if (self._verified_in_slot.pop((ino, c), None) != loc.seq
-                            and _hash(view) != loc.checksum):
+                check = loc.flags & SEALED and (verified is None or (c, loc.seq) not in verified)
+                if check and self._verified_in_slot.pop((ino, c), None) == loc.seq:
+                    check = False  # its prefetch verified it: this read counts as checked
+                if check:
+                    view = self._dram_bytes(ino, c, loc.raw_len)
+                    if _hash(view) != loc.checksum:
                         self.counters.checksum_errors += 1
                         raise ChunkError(f"inode {ino} chunk {c}: checksum mismatch in DRAM")
-                    if verified is not None:
-                        verified.add((c, loc.seq))
+                    view = view[start:]
+                else:  # only the bytes asked for
+                    view = self._dram_bytes_at(ino, c, start, min(length, loc.raw_len - start))
+                if check and verified is not None:
+                    verified.add((c, loc.seq))
                 self.policy.hit((ino, c))
                 if self.prefetched:
                     self._prefetch_used((ino, c))
                 self.counters.chunks_from_dram += 1
                 self._record_latency(t0, self.counters.read_latency_dram_us)
-                return _slice(view, start, length)
+                return _slice(view, 0, length)
             if (ino, c) in self._prefetching:
                 self.counters.prefetch_late += 1
             data = await self.fetch(ino, c, loc, stage=self.dram.capacity * PROMOTE_SHARE)
@@ -579,32 +618,35 @@ class ChunkStore:
 
     async def _unpack(self, ino: int, c: int, loc: Loc) -> bytes | None:
         """Decode (and verify) a packed DRAM copy in a worker; None if the chunk changed
-        meanwhile. The slot is pinned, so it cannot be reused under the worker."""
-        slot = loc.dram_slot
-        self.dram.pin(slot)
+        meanwhile. A region released and claimed again while the worker read it may have
+        given it other bytes: a failed check then means "changed", not "damaged"."""
+        claim = self.dram.claim_ids.get((ino, c))
+        held = self.dram.hold(ino)
         try:
-            data = await trio.to_thread.run_sync(self._decode_packed, ino, c, loc,
+            data = await trio.to_thread.run_sync(self._decode_packed, held, c, loc,
                                                  limiter=self.limiter)
         finally:
-            self.dram.unpin(slot)
+            self.dram.drop(held)
         now = self.get(ino, c)
-        if now is None or now.seq != loc.seq:
+        if now != loc or self.dram.claim_ids.get((ino, c)) != claim:
             return None
+        if isinstance(data, str):
+            self.counters.checksum_errors += 1
+            raise ChunkError(f"inode {ino} chunk {c}: packed DRAM copy: {data}")
         self.counters.unpacked += 1
         return data
 
-    def _decode_packed(self, ino: int, c: int, loc: Loc) -> bytes:
-        """Worker thread: the raw bytes of a packed DRAM copy, checked against its checksum."""
+    def _decode_packed(self, held: DramFile, c: int, loc: Loc) -> bytes | str:
+        """Worker thread: the raw bytes of a packed DRAM copy, checked against its checksum,
+        or what is wrong with it."""
+        payload = bytearray(loc.stored_len)
+        self.dram.read_region(held.fd, c * self.cs, payload)
         try:
-            data = self.codec.decode(loc.codec, self.dram.slot_view(loc.dram_slot,
-                                                                    loc.stored_len),
-                                     loc.raw_len)
+            data = self.codec.decode(loc.codec, payload, loc.raw_len)
         except CodecError as exc:
-            self.counters.checksum_errors += 1
-            raise ChunkError(f"inode {ino} chunk {c}: packed DRAM copy: {exc}") from None
+            return str(exc)
         if len(data) != loc.raw_len or _hash(data) != loc.checksum:
-            self.counters.checksum_errors += 1
-            raise ChunkError(f"inode {ino} chunk {c}: checksum mismatch in DRAM (packed)")
+            return "checksum mismatch in DRAM (packed)"
         return data
 
     def _record_latency(self, t0: float, tier: list[int]) -> None:
@@ -625,8 +667,8 @@ class ChunkStore:
 
         Promotion takes DRAM only below the prefetch limit; *make_room(nbytes)* may free
         some (synchronously, by dropping clean copies it chooses) when there is none. The
-        slot is taken before the read, so what prefetches hold counts against DRAM while
-        they run."""
+        region is claimed before the read, so what prefetches hold counts against DRAM
+        while they run."""
         key = (ino, c)
         loc = self.get(ino, c)
         if (loc is None or loc.dram_slot >= 0 or loc.flags & LOST or key in self._prefetching
@@ -647,24 +689,24 @@ class ChunkStore:
             self._prefetching.discard(key)
         now = self.get(ino, c)
         if data is None or now is None or now.seq != loc.seq or now.dram_slot < 0:
-            return False  # changed meanwhile, or no slot was free when the read began
+            return False  # changed meanwhile, or no room when the read began
         self.prefetched.add(key)
         if not now.flags & PACKED:
-            self._verified_in_slot[key] = now.seq  # fetch checked the bytes in their slot
+            self._verified_in_slot[key] = now.seq  # fetch checked the bytes it staged
         if self.dram_used > self.high_water:
             self.kick_demoter()  # the demoter makes room in bulk, in eviction order
         return True
 
     @property
     def dram_load(self) -> int:
-        """DRAM bytes in use: chunks' pages plus slots that NVMe reads are filling."""
+        """DRAM bytes in use: chunks' pages plus regions that NVMe reads are filling."""
         return self.dram_used + self.dram_filling
 
     def promotion_room(self, nbytes: int, limit: float | None = None) -> bool:
         """May a promotion take *nbytes* of DRAM (below *limit* bytes, default 90%) without
         evicting anything?"""
         cap = self.dram.capacity * PROMOTE_SHARE if limit is None else limit
-        return self.dram.free_slots > 0 and self.dram_load + nbytes <= cap
+        return self.dram_load + nbytes <= cap
 
     @property
     def prefetch_limit(self) -> float:
@@ -686,78 +728,85 @@ class ChunkStore:
                 and pages(loc.stored_len) < pages(loc.raw_len))
 
     def staged_len(self, loc: Loc) -> int:
-        """Bytes of DRAM slot a staged copy of this NVMe chunk takes."""
+        """Bytes of DRAM region a staged copy of this NVMe chunk takes."""
         return loc.stored_len if self.packs(loc) else loc.raw_len
 
     async def fetch(self, ino: int, c: int, loc: Loc, *, stage: float | None,
                     limiter: trio.CapacityLimiter | None = None,
                     raw: bool = False) -> bytes | memoryview | None:
-        """Read an NVMe-only chunk (verified). If a DRAM slot is free and DRAM holds less than
-        *stage* bytes, the record is decoded straight into the slot, which becomes the
-        chunk's clean DRAM copy (no copy of the bytes, no eviction); otherwise into a new
-        buffer. With `dram_compress` (and not *raw*) the slot gets the record's payload
-        instead, a packed copy, and the bytes come in a buffer. Returns the bytes (a slot
-        view is valid until the next await), or None if the chunk changed meanwhile."""
+        """Read an NVMe-only chunk (verified). If DRAM holds less than *stage* bytes, the
+        worker also writes the bytes into the chunk's region, which becomes its clean DRAM
+        copy (no eviction); with `dram_compress` (and not *raw*) it writes the record's
+        payload there instead, a packed copy. Returns the bytes, or None if the chunk changed
+        meanwhile. Writes and truncations of the chunk wait until this is over."""
         key = (ino, c)
         pending = self._fetching.get(key)
         if pending is not None:
             await pending.wait()
             return None
         done = self._fetching[key] = trio.Event()
-        slot = unfaulted = -1
-        pack = not raw and self.packs(loc)
+        claimed = False
+        pack = not raw and self.packs(loc) and ino not in self.dram.pins
         length = loc.stored_len if pack else loc.raw_len
         filling = pages(length)
+        held = None
         try:
-            target = None
             if stage is not None and self.promotion_room(filling, stage):
-                slot, unfaulted = self.dram.alloc_unfaulted(length)
+                self.dram.claim(ino, c)
+                claimed = True
                 self.dram_filling += filling
-                target = self.dram.slot_view(slot, length)
+                held = self.dram.hold(ino)
             seg = self.nvme.pin(loc.seg)
             try:
                 data, staged = await trio.to_thread.run_sync(
-                    self._read_to_slot, ino, c, loc, seg, (slot, unfaulted), target, pack,
+                    self._read_to_dram, ino, c, loc, seg, held, pack,
                     limiter=limiter or self.limiter)
             finally:
                 self.nvme.unpin(seg)
+                if held is not None:
+                    self.dram.drop(held)
             now = self.get(ino, c)
             if now is None or now.seq != loc.seq:
                 return None
-            if slot >= 0:
-                if not staged or now.dram_slot >= 0:
-                    # resident meanwhile: our slot is freed below
-                    return bytes(data) if data is target else data
+            if claimed and now.dram_slot >= 0:  # cannot be: writes wait for this fetch
+                log.error("inode %d chunk %d: became resident during its fetch", ino, c)
                 self.dram_filling -= filling
-                new = now._replace(dram_slot=slot,
+                self.dram.unclaim(ino)
+                claimed = False
+            if claimed and staged:
+                self.dram_filling -= filling
+                claimed = False  # the chunk owns the region now
+                new = now._replace(dram_slot=IN_DRAM,
                                    flags=(now.flags | PACKED) if pack else now.flags)
                 with self.meta.write() as txn:
                     self._replace(txn, ino, c, now, new)
-                slot = -1  # the chunk owns it now
                 self.counters.promotions += 1
             return data
         finally:
-            if slot >= 0:
+            if claimed:
                 self.dram_filling -= filling
-                self.dram.free(slot, length)
+                self.dram.release(ino, c, length)
+                self.dram.settle()
             del self._fetching[key]
             done.set()
 
-    def _read_to_slot(self, ino: int, c: int, loc: Loc, seg, slot: tuple[int, int],
-                      target: memoryview | None, pack: bool) -> tuple[bytes | memoryview, bool]:
-        """Worker thread: `_read_record` into a DRAM slot's pages (its payload if *pack*)
-        if the tmpfs can give them (a write through the mapping to a page it cannot give
-        would be SIGBUS), else into a buffer: the chunk is then read but not staged. *slot*:
-        (slot, first unpopulated byte), from `DramArena.alloc_unfaulted`. Returns the bytes
-        and whether the slot was filled."""
-        if target is not None and not self.dram.ensure_pages(*slot, len(target)):
-            log.warning("DRAM tier: its tmpfs has no room for a chunk's pages; not staged")
-            target = None
-        if target is None:
-            return self._read_record(ino, c, loc, seg, None), False
-        if pack:
-            return self._read_record(ino, c, loc, seg, None, payload_to=target), True
-        return self._read_record(ino, c, loc, seg, target), True
+    def _read_to_dram(self, ino: int, c: int, loc: Loc, seg, held: DramFile | None,
+                      pack: bool) -> tuple[bytes | memoryview, bool]:
+        """Worker thread: `_read_record`, and if *held* (the chunk's DRAM file, its region
+        claimed) write the bytes (the payload if *pack*) into the region. Returns the bytes
+        and whether the region was filled (False: not asked, or the tmpfs is full)."""
+        payload = bytearray(loc.stored_len) if pack and held is not None else None
+        data = self._read_record(ino, c, loc, seg, None,
+                                 payload_to=None if payload is None else memoryview(payload))
+        if held is None:
+            return data, False
+        staged = payload if payload is not None else data
+        try:
+            done = os.pwrite(held.fd, staged, c * self.cs)
+        except OSError as exc:
+            log.warning("DRAM tier: cannot stage a chunk (%s)", exc)
+            return data, False
+        return data, done == len(staged)
 
     def _read_record(self, ino: int, c: int, loc: Loc, seg, target: memoryview | None,
                      payload_to: memoryview | None = None) -> bytes | memoryview:
@@ -789,6 +838,66 @@ class ChunkStore:
             raise ChunkError(f"inode {ino} chunk {c}: checksum mismatch in segment {loc.seg}")
         return data
 
+    # -- passthrough: the kernel reads a file straight from its DRAM file -------------------
+    async def passthrough_ready(self, ino: int, size: int) -> bool:
+        """May the kernel serve reads of this file from its DRAM file? Only if every chunk
+        is in DRAM, raw, and checks out now (the reads will not come here to be checked: an
+        open verifies what a handle's reads would), and the pinned files stay within
+        PASSTHROUGH_SHARE of the tier. True means: pin it now (`pin_passthrough`), with no
+        await in between."""
+        locs = []
+        for c in self.index.chunks_of(ino, self._nchunks(size)):
+            loc = self.get(ino, c)
+            if loc.dram_slot < 0 or loc.flags & (PACKED | LOST) or (ino, c) in self._fetching:
+                return False
+            locs.append((c, loc))
+        need = sum(pages(loc.raw_len) for _, loc in locs)
+        if (ino not in self.dram.pins
+                and self.pinned_bytes + need > PASSTHROUGH_SHARE * self.dram.capacity):
+            return False
+        check = [(c, loc) for c, loc in locs if loc.flags & SEALED
+                 and self._verified_in_slot.get((ino, c)) != loc.seq]
+        sums = await self._hash_chunks(ino, check)
+        if any(self.get(ino, c) != loc for c, loc in locs):
+            return False  # changed meanwhile: the ordinary path decides
+        # A mismatch is left to the ordinary path, which reports it (EIO) chunk by chunk.
+        return all(csum == loc.checksum for (_, loc), csum in zip(check, sums, strict=True))
+
+    def pin_passthrough(self, ino: int, size: int, reads: bool = True) -> int:
+        """*ino* is opened in passthrough mode: its DRAM copies stay until
+        `unpin_passthrough`, and the returned descriptor is its DRAM file, as long as the
+        file. With *reads* (the open passed `passthrough_ready`; the kernel will read it
+        without us), its chunks count as read from DRAM now."""
+        chunks = list(self.index.chunks_of(ino, self._nchunks(size)))
+        if ino not in self.dram.pins:  # counted once per file
+            held = self._pinned[ino] = sum(pages(self.get(ino, c).raw_len) for c in chunks)
+            self.pinned_bytes += held
+        self.dram.pin(ino)
+        if not reads:
+            return self.dram.fd(ino)
+        self.counters.passthrough_opens += 1
+        for c in chunks:
+            key = (ino, c)
+            self._verified_in_slot.pop(key, None)
+            self.policy.hit(key)
+            if self.prefetched:
+                self._prefetch_used(key)
+        self.counters.chunks_from_dram += len(chunks)
+        self.counters.passthrough_chunks += len(chunks)
+        return self.dram.extend(ino, size)
+
+    def unpin_passthrough(self, ino: int) -> None:
+        """A passthrough open of *ino* was released."""
+        self.dram.unpin(ino)
+        if ino not in self.dram.pins:
+            self.pinned_bytes -= self._pinned.pop(ino, 0)
+
+    def resized(self, ino: int, size: int) -> None:
+        """A file open in passthrough mode grew to *size* without a write (truncate up,
+        fallocate): its DRAM file must say so, or the kernel's reads stop at its old end."""
+        if ino in self.dram.pins:
+            self.dram.extend(ino, size)
+
     # -- write -----------------------------------------------------------------------------
     async def write(self, ino: int, off: int, data: bytes,
                     on_commit: Callable[[], None] | None = None) -> None:
@@ -813,6 +922,10 @@ class ChunkStore:
                            on_commit: Callable[[], None] | None = None) -> None:
         stop = start + len(piece)
         while True:
+            pending = self._fetching.get((ino, c))
+            if pending is not None:  # an NVMe read is filling the region: let it finish
+                await pending.wait()
+                continue
             loc = self.get(ino, c)
             if loc is not None and loc.flags & PACKED:
                 self.drop_dram_copy((ino, c))  # clean: its bytes are raw on NVMe
@@ -833,36 +946,35 @@ class ChunkStore:
                 + (loc.rec_len if loc.seg else 0))
             self._check_capacity(pages(new_len) - before, ino)
             growth = pages(new_len) - pages(old_len)
-            if (not in_dram and self.dram.free_slots == 0) or \
-                    self.dram_load + growth > self.dram.capacity:
+            if self.dram_load + growth > self.dram.capacity:
                 await self._wait_dram(growth)
                 continue  # the world may have changed while we waited
             self._apply_write(ino, c, loc, start, piece, new_len, on_commit)
             return
 
-    # -- writes straight into DRAM slots (kvfs._fuseshim copies the request's data) --------
+    # -- writes straight into DRAM (kvfs._fuseshim copies the request's data) ----------------
     def plan_write(self, ino: int, off: int, size: int) -> WritePlan | None:
-        """Prepare a write of *size* bytes at *off* into DRAM slots and return where in the
-        arena file its bytes go, or None when the write needs the ordinary path (a chunk on
-        NVMe only that it does not fully cover, a gap to zero-fill, no room in DRAM without
-        waiting, the filesystem full). Each chunk either gets a fresh slot (the write starts
-        it) or is written in place (it is in DRAM and the write starts within or right after
-        its bytes: the next request of a stream). The caller copies the data and then calls
-        finish_write or abort_write, with no await in between."""
+        """Prepare a write of *size* bytes at *off* into DRAM and return its plan, or None
+        when the write needs the ordinary path (a chunk on NVMe only that it does not fully
+        cover, a gap to zero-fill, a chunk being fetched, no room in DRAM without waiting,
+        the filesystem full). Each chunk either starts in DRAM with this write or is written
+        in place (it is in DRAM and the write starts within or right after its bytes: the
+        next request of a stream). Its bytes go to the same offsets of the inode's DRAM file
+        (`write_fd`). The caller copies the data and then calls finish_write or abort_write,
+        with no await in between."""
         cs = self.cs
         pieces: list[tuple[int, int, int, Loc | None]] = []  # chunk, start, stop, location
-        growth = dram_growth = fresh = 0
+        growth = dram_growth = 0
         pos, end = off, off + size
         while pos < end:
             c, start = divmod(pos, cs)
             stop = min(cs, end - c * cs)
             loc = self.get(ino, c)
-            if loc is not None and loc.flags & (LOST | PACKED):
+            if (loc is not None and loc.flags & (LOST | PACKED)) or (ino, c) in self._fetching:
                 return None
             if loc is None or loc.dram_slot < 0:
                 if start or (loc is not None and stop < loc.raw_len):
                     return None  # zero-fill, or a read-modify-write of an NVMe chunk
-                fresh += 1
                 growth += pages(stop) - (loc.rec_len if loc is not None else 0)
                 dram_growth += pages(stop)
             else:
@@ -878,72 +990,72 @@ class ChunkStore:
             self._check_capacity(growth, ino)
         except NoSpace:
             return None  # the ordinary path raises it (or, in cache mode, evicts)
-        if self.dram.free_slots < fresh or self.dram_load + dram_growth > self.dram.capacity:
+        if self.dram_load + dram_growth > self.dram.capacity:
             return None
-        planned = []
         unseal = [(c, loc) for c, _, _, loc in pieces
                   if loc is not None and loc.dram_slot >= 0 and loc.flags & SEALED]
         if unseal:  # in lmdb before the bytes change (crash safety, see the module doc)
             with self.meta.write() as txn:
                 for c, loc in unseal:
                     self._replace(txn, ino, c, loc, loc._replace(flags=0))
+        planned = []
         for c, start, stop, _ in pieces:
             loc = self.get(ino, c)
             if loc is None or loc.dram_slot < 0:
-                planned.append((c, self.dram.alloc(stop), start, stop, loc))
-            else:
-                self.dram.grow(loc.dram_slot, stop)  # the shim writes up to *stop*
-                planned.append((c, loc.dram_slot, start, stop, loc))
+                self.dram.claim(ino, c)
+            planned.append((c, start, stop, loc))
         return WritePlan(ino, planned)
 
-    def targets(self, plan: WritePlan) -> tuple[tuple[int, int], ...]:
-        """(offset in the arena file, length) of each piece of a planned write, in order."""
-        return tuple((slot * self.cs + start, stop - start)
-                     for _, slot, start, stop, _ in plan.pieces)
+    def write_fd(self, plan: WritePlan) -> int:
+        """The file descriptor a planned write's bytes go to, at their own file offsets."""
+        return self.dram.fd(plan.ino)
 
     def finish_write(self, plan: WritePlan, on_commit: Callable[[], None] | None) -> None:
-        """The planned bytes are in their slots: commit them (one transaction)."""
-        if any(self.get(plan.ino, c) != loc for c, _, _, _, loc in plan.pieces):
+        """The planned bytes are in their regions: commit them (one transaction)."""
+        if any(self.get(plan.ino, c) != loc for c, _, _, loc in plan.pieces):
             self.abort_write(plan)  # cannot happen: nothing runs between plan and finish
             raise RuntimeError(f"inode {plan.ino}: chunks changed during a write")
         with self.meta.write() as txn:
-            for c, slot, start, stop, loc in plan.pieces:
-                self._replace(txn, plan.ino, c, loc, self._written(slot, start, stop, loc))
+            for c, _, stop, loc in plan.pieces:
+                in_place = loc is not None and loc.dram_slot >= 0
+                length = max(loc.raw_len, stop) if in_place else stop
+                self._replace(txn, plan.ino, c, loc, self._dram_loc(length))
             if on_commit is not None:
                 on_commit()
         self.counters.direct_writes += 1
-        if self.dram_load > self.high_water or self.dram.free_slots < self.low_slots:
+        if self.dram_load > self.high_water:
             self.kick_demoter()
 
-    def _written(self, slot: int, start: int, stop: int, loc: Loc | None) -> Loc:
-        in_place = loc is not None and loc.dram_slot >= 0
-        return self._dram_loc(slot, max(loc.raw_len, stop) if in_place else stop)
-
-    def _dram_loc(self, slot: int, length: int) -> Loc:
-        """The location of a chunk just written in DRAM (a new seq). A chunk that is now
-        whole cannot grow any more: seal it at once, while its bytes are in cache (the
-        usual case for an engine's blocks); a partial one is sealed at close, so that the
-        next write of a stream does not have to unseal it first."""
-        if length == self.cs:
-            return Loc(slot, 0, 0, 0, length, 0, CODEC_RAW, SEALED,
-                       _hash(self.dram.slot_view(slot, length)), self._next_seq())
-        return Loc(slot, 0, 0, 0, length, 0, CODEC_RAW, 0, 0, self._next_seq())
+    def _dram_loc(self, length: int, whole=None) -> Loc:
+        """The location of a chunk just written in DRAM (a new seq). A chunk made whole
+        by one piece of data we hold (*whole*: all chunk_size bytes; it cannot grow any
+        more) is sealed at once, hashing the bytes while they are in cache (the usual case
+        for an engine's blocks); others are sealed at close, so that the next write of a
+        stream does not have to unseal them first."""
+        if whole is not None:
+            return Loc(IN_DRAM, 0, 0, 0, length, 0, CODEC_RAW, SEALED, _hash(whole),
+                       self._next_seq())
+        return Loc(IN_DRAM, 0, 0, 0, length, 0, CODEC_RAW, 0, 0, self._next_seq())
 
     def abort_write(self, plan: WritePlan) -> None:
-        """The copy failed part way: fresh slots go back; chunks written in place may hold
-        some new bytes, so they take a new seq (unsealed, same length)."""
-        in_place = [c for c, _, _, _, loc in plan.pieces
-                    if loc is not None and loc.dram_slot >= 0]
-        for _, slot, _, stop, loc in plan.pieces:
+        """The copy failed part way: regions new to DRAM go back (punched); chunks written
+        in place may hold some new bytes (`_written_part`)."""
+        for c, _, stop, loc in plan.pieces:
             if loc is None or loc.dram_slot < 0:
-                self.dram.free(slot, stop)
-        if in_place:
-            with self.meta.write() as txn:
-                for c in in_place:
-                    now = self.get(plan.ino, c)
-                    if now is not None:
-                        self._replace(txn, plan.ino, c, now,
-                                      now._replace(flags=0, seq=self._next_seq()))
+                self.dram.release(plan.ino, c, stop)
+            else:
+                now = self.get(plan.ino, c)
+                if now is not None:
+                    self._written_part(plan.ino, c, now)
+        self.dram.settle()
+
+    def _written_part(self, ino: int, c: int, loc: Loc) -> None:
+        """A write into a DRAM chunk failed part way: its bytes may have changed, so it takes
+        a new seq (unsealed, same length), and whatever landed past its end is punched (the
+        region holds nothing there)."""
+        self.dram.punch(ino, c * self.cs + loc.raw_len, self.cs - loc.raw_len)
+        with self.meta.write() as txn:
+            self._replace(txn, ino, c, loc, loc._replace(flags=0, seq=self._next_seq()))
 
     async def _make_resident(self, ino: int, c: int, loc: Loc) -> None:
         """Bring an NVMe-only chunk into DRAM (for a partial write); the caller re-checks."""
@@ -956,13 +1068,17 @@ class ChunkStore:
     def _apply_write(self, ino: int, c: int, loc: Loc | None, start: int, piece: memoryview,
                      new_len: int, on_commit: Callable[[], None] | None) -> None:
         """Synchronous part of a write: no await from here to the commit."""
+        whole = piece if start == 0 and len(piece) == self.cs else None
         if loc is None or loc.dram_slot < 0:
-            # Fresh slot: bytes first, then the commit that makes them part of the file.
-            slot = self.dram.alloc(new_len)
-            if start:
-                self.dram.write(slot, 0, bytes(start))  # a reused slot holds stale bytes
-            self.dram.write(slot, start, piece)
-            new = self._dram_loc(slot, new_len)
+            # New to DRAM: bytes first (the region is a hole: any gap before *start* reads
+            # as zeros), then the commit that makes them part of the file.
+            self.dram.claim(ino, c)
+            try:
+                self.dram.write(ino, c, start, piece)
+            except BaseException:
+                self.dram.release(ino, c, new_len)
+                self.dram.settle()
+                raise
         else:
             if loc.flags & SEALED:
                 # Unseal in lmdb before the bytes change (crash safety, see module doc).
@@ -970,20 +1086,23 @@ class ChunkStore:
                     unsealed = loc._replace(flags=0)
                     self._replace(txn, ino, c, loc, unsealed)
                 loc = unsealed
-            if start > loc.raw_len:
-                self.dram.write(loc.dram_slot, loc.raw_len, bytes(start - loc.raw_len))
-            self.dram.write(loc.dram_slot, start, piece)
-            new = self._dram_loc(loc.dram_slot, new_len)
+            try:
+                self.dram.write(ino, c, start, piece)
+            except BaseException:
+                self._written_part(ino, c, loc)
+                raise
+        new = self._dram_loc(new_len, whole)
         with self.meta.write() as txn:
             self._replace(txn, ino, c, loc, new)
             if on_commit is not None:
                 on_commit()
-        if self.dram_load > self.high_water or self.dram.free_slots < self.low_slots:
+        if self.dram_load > self.high_water:
             self.kick_demoter()
 
     # -- sealing, writeback, fsync -----------------------------------------------------------
     async def seal(self, ino: int, size: int) -> None:
-        """Checksum every unsealed DRAM chunk of a file (on close), in a worker thread."""
+        """Checksum every unsealed DRAM chunk of a file (on close), in a worker thread when
+        there is much of it."""
         todo = []
         for c in self.index.chunks_of(ino, self._nchunks(size)):
             loc = self.get(ino, c)
@@ -991,17 +1110,36 @@ class ChunkStore:
                 todo.append((c, loc))
         if not todo:
             return
-        views = [self.dram.slot_view(loc.dram_slot, loc.raw_len) for _, loc in todo]
-        if sum(loc.raw_len for _, loc in todo) <= INLINE_HASH_BYTES:
-            sums = [_hash(v) for v in views]
-        else:
-            sums = await trio.to_thread.run_sync(lambda: [_hash(v) for v in views],
-                                                 limiter=self.limiter)
+        sums = await self._hash_chunks(ino, todo)
         with self.meta.write() as txn:
             for (c, loc), csum in zip(todo, sums, strict=True):
                 now = self.get(ino, c)
                 if now == loc:
                     self._replace(txn, ino, c, loc, loc._replace(flags=SEALED, checksum=csum))
+
+    async def _hash_chunks(self, ino: int, todo: list[tuple[int, Loc]]) -> list[int]:
+        """xxh3 of each chunk's bytes in its region: inline when they are few, else in a
+        worker thread."""
+        if sum(loc.raw_len for _, loc in todo) <= INLINE_HASH_BYTES:
+            return [_hash(self._dram_bytes(ino, c, loc.raw_len)) for c, loc in todo]
+        held = self.dram.hold(ino)
+        try:
+            return await trio.to_thread.run_sync(self._hash_regions, held, todo,
+                                                 limiter=self.limiter)
+        finally:
+            self.dram.drop(held)
+
+    def _hash_regions(self, held: DramFile, todo: list[tuple[int, Loc]]) -> list[int]:
+        """Worker thread: xxh3 of each chunk's bytes in its region. (pread, not a mapping:
+        freshly written tmpfs pages cost a page fault each to map, more than the copy, and
+        a read never meets SIGBUS.)"""
+        buf = bytearray(self.cs)
+        sums = []
+        for c, loc in todo:
+            view = memoryview(buf)[:loc.raw_len]
+            self.dram.read_region(held.fd, c * self.cs, view)
+            sums.append(_hash(view))
+        return sums
 
     def _nchunks(self, size: int) -> int:
         return (size + self.cs - 1) // self.cs
@@ -1017,7 +1155,8 @@ class ChunkStore:
         """`writeback` for several chunks at once: one worker hand-off compresses them all,
         one writes all their records, one transaction commits them. A hand-off costs the trio
         thread ~100 us on a small VM (futex and socket wake-ups), the Python of a commit a
-        tenth of that, so demotion in batches leaves the thread to FUSE requests."""
+        tenth of that, so demotion in batches leaves the thread to FUSE requests. Chunks of
+        a file open in passthrough mode keep their DRAM copy (the kernel reads it)."""
         done = [True] * len(keys)
         # Another task choosing a file's codec decides for this batch's chunks of it too.
         while waits := [w for ino in {k[0] for k in keys}
@@ -1025,7 +1164,7 @@ class ChunkStore:
             await waits[0].wait()
         jobs: list[_Job] = []
         choosing: dict[int, trio.Event] = {}  # the files whose codec this batch chooses
-        for i, (ino, c) in enumerate(keys):  # no await from here to the hand-off: views stay valid
+        for i, (ino, c) in enumerate(keys):
             loc = self.get(ino, c)
             if loc is None or loc.dram_slot < 0:
                 continue
@@ -1033,8 +1172,8 @@ class ChunkStore:
                 if drop:
                     self.drop_dram_copy((ino, c))
                 continue
-            job = _Job(i, ino, c, loc, self.dram.slot_view(loc.dram_slot, loc.raw_len),
-                       self.stream_of(ino), self._file_codec.get(ino))
+            job = _Job(i, ino, c, loc, self.dram.hold(ino), self.stream_of(ino),
+                       self._file_codec.get(ino))
             if job.codec_id is None and ino not in choosing:
                 # the hint is looked up here: the namespace belongs to the trio thread
                 job.hint, job.directory = self.codec_context(ino)
@@ -1044,6 +1183,14 @@ class ChunkStore:
             jobs.append(job)
         if not jobs:
             return done
+        try:
+            return await self._writeback_jobs(jobs, choosing, done, drop=drop, pack=pack)
+        finally:
+            for job in jobs:
+                self.dram.drop(job.held)
+
+    async def _writeback_jobs(self, jobs: list[_Job], choosing: dict[int, trio.Event],
+                              done: list[bool], *, drop: bool, pack: bool) -> list[bool]:
         try:
             await trio.to_thread.run_sync(self._encode_jobs, jobs, limiter=self.limiter)
             for job in jobs:
@@ -1058,72 +1205,94 @@ class ChunkStore:
         todo: list[_Job] = []
         try:
             for job in jobs:
-                now = self.get(job.ino, job.c)
-                if now is None or now.seq != job.loc.seq:
+                if not self._still_dirty(job):
+                    done[job.i] = False
+                    continue
+                if job.mismatch:  # the bytes read are not the ones sealed, and no write says why
+                    log.error("inode %d chunk %d: its DRAM copy does not match its checksum; "
+                              "not written back", job.ino, job.c)
+                    self.counters.checksum_errors += 1
                     done[job.i] = False
                     continue
                 job.rec_len = record_length(len(job.payload))
                 job.seg, job.off = await self._reserve(job.stream, job.rec_len)
                 todo.append(job)
-            if pack and not drop:
-                self._take_pack_slots(todo)
             if todo:
                 await trio.to_thread.run_sync(self._write_jobs, todo, limiter=self.limiter)
         except BaseException:
             for job in todo:
                 self.nvme.mark_dead(job.seg.seg_id, job.rec_len)
-            self._release_pack_slots(todo)
             raise
+        packing: list[_Job] = []
         with self.meta.write() as txn:
             for job in todo:
                 self.nvme.bytes_written += job.rec_len
                 self.counters.user_bytes_written += job.rec_len  # user data, any stream
                 self.nvme.counters(job.stream).user_bytes += job.rec_len
-                now, loc = self.get(job.ino, job.c), job.loc
-                if now is None or now.seq != loc.seq or now.dram_slot != loc.dram_slot:
+                now = self.get(job.ino, job.c)
+                if not self._still_dirty(job):
                     self.nvme.mark_dead(job.seg.seg_id, job.rec_len)
                     done[job.i] = False
                     continue
-                slot, flags = -1 if drop else now.dram_slot, SEALED
-                if job.packed:  # the raw slot goes after the commit (_replace)
-                    slot, flags, job.pack_slot = job.pack_slot, SEALED | PACKED, -1
-                    self.dram_filling -= pages(len(job.payload))
-                new = Loc(slot, job.seg.seg_id, job.off, job.rec_len,
-                          now.raw_len, len(job.payload), job.used, flags, job.csum, now.seq)
+                keep = not drop or job.ino in self.dram.pins
+                new = Loc(IN_DRAM if keep else -1, job.seg.seg_id, job.off, job.rec_len,
+                          now.raw_len, len(job.payload), job.used, SEALED, job.csum, now.seq)
                 self._replace(txn, job.ino, job.c, now, new)
                 self.counters.writebacks += 1
-                if drop:
+                if not keep:
                     self.counters.demotions += 1
-        self._release_pack_slots(todo)
+                elif pack and self._packable(job.ino, new):
+                    packing.append(job)
+        for job in packing:
+            self._repack(job.ino, job.c, job.payload)
         return done
 
-    def _take_pack_slots(self, jobs: list[_Job]) -> None:
-        """DRAM slots for packed copies of the jobs whose payload saves pages, as room
-        allows (a promotion's room: nothing is evicted for them)."""
-        for job in jobs:
-            length = len(job.payload)
-            if (self.dram_compress and job.used != CODEC_RAW
-                    and pages(length) < pages(job.loc.raw_len)
-                    and self.promotion_room(pages(length))):
-                job.pack_slot = self.dram.alloc(length)
-                self.dram_filling += pages(length)
+    def _still_dirty(self, job: _Job) -> bool:
+        """Is the job's chunk still the dirty DRAM copy it read (same seq, no NVMe copy)? A
+        chunk written back by another task meanwhile may have been dropped and staged again
+        in the same region: what the worker read there is then not to be trusted."""
+        now = self.get(job.ino, job.c)
+        return (now is not None and now.seq == job.loc.seq and now.dram_slot >= 0
+                and not now.seg)
 
-    def _release_pack_slots(self, jobs: list[_Job]) -> None:
-        """Pack slots the jobs did not end up owning go back."""
-        for job in jobs:
-            if job.pack_slot >= 0:
-                self.dram_filling -= pages(len(job.payload))
-                self.dram.free(job.pack_slot, len(job.payload))
-                job.pack_slot = -1
+    def _packable(self, ino: int, loc: Loc) -> bool:
+        """Should this clean raw DRAM copy be kept packed instead (dram_compress: it saves
+        pages; never in a file the kernel reads directly)?"""
+        return (self.dram_compress and loc.codec != CODEC_RAW and ino not in self.dram.pins
+                and pages(loc.stored_len) < pages(loc.raw_len))
+
+    def _repack(self, ino: int, c: int, payload) -> None:
+        """Replace a clean raw DRAM copy with its record's *payload* (packed), in two commits
+        around the rewrite of the region (its raw bytes first give way to NVMe, so that no
+        crash leaves the region holding other bytes than lmdb says). Synchronous."""
+        loc = self.get(ino, c)
+        if loc is None or loc.dram_slot < 0 or loc.flags & PACKED or not loc.seg:
+            return
+        with self.meta.write() as txn:
+            self._replace(txn, ino, c, loc, nvme_only(loc))
+        self.dram.claim(ino, c)
+        try:
+            self.dram.write(ino, c, 0, payload)
+        except OSError as exc:
+            log.warning("DRAM tier: cannot keep a packed copy (%s)", exc)
+            self.dram.release(ino, c, len(payload))
+            self.dram.settle()
+            return
+        with self.meta.write() as txn:
+            self._replace(txn, ino, c, nvme_only(loc),
+                          loc._replace(dram_slot=IN_DRAM, flags=loc.flags | PACKED))
 
     def _encode_jobs(self, jobs: list[_Job]) -> None:
-        """Worker thread: `_encode` each job; a file's later chunks take the codec its first
-        one chose."""
+        """Worker thread: `_encode` each job (its bytes read from its region); a file's later
+        chunks take the codec its first one chose."""
         chosen: dict[int, int] = {}
         for job in jobs:
+            data = bytearray(job.loc.raw_len)  # the payload of a raw record: not reused
+            self.dram.read_region(job.held.fd, job.c * self.cs, data)
             codec_id = job.codec_id if job.codec_id is not None else chosen.get(job.ino)
             job.csum, codec_id, job.used, job.payload, job.full = self._encode(
-                job.view, job.loc, codec_id, job.hint, job.expected)
+                data, job.loc, codec_id, job.hint, job.expected)
+            job.mismatch = bool(job.loc.flags & SEALED) and job.csum != job.loc.checksum
             if job.codec_id is None:
                 chosen.setdefault(job.ino, codec_id)
                 job.codec_id = codec_id
@@ -1134,8 +1303,6 @@ class ChunkStore:
             header = RecordHeader(job.used, job.stream, job.ino, job.c, job.loc.seq,
                                   job.loc.raw_len, len(job.payload), job.csum)
             self.nvme.write_record(job.seg, job.off, header, job.payload)
-            if job.pack_slot >= 0:
-                job.packed = self.dram.copy_in(job.pack_slot, job.payload)
 
     async def _reserve(self, stream: int, rec_len: int):
         """Space for one record; cleans segments if none is free."""
@@ -1155,37 +1322,35 @@ class ChunkStore:
         with self.meta.write() as txn:
             self._replace(txn, ino, c, now, now._replace(seg=seg, off=off, rec_len=rec_len))
 
-    def _encode(self, view: memoryview, loc: Loc, codec_id: int | None, hint: str | None,
+    def _encode(self, data: bytearray, loc: Loc, codec_id: int | None, hint: str | None,
                 expected: int | None):
-        """Worker thread: checksum (unless sealed) and compress one chunk; without a codec
-        choice for the file yet, take *expected* (its directory's) if the chunk confirms it,
-        else make one (from *hint* and the chunk). Returns the file's codec choice, whether
-        that was a full choice, and the codec this chunk was really stored with (raw when it
-        did not compress)."""
-        csum = loc.checksum if loc.flags & SEALED else _hash(view)
+        """Worker thread: checksum and compress one chunk (*data*, a copy of its bytes that
+        nobody else holds); without a codec choice for the file yet, take
+        *expected* (its directory's) if the chunk confirms it, else make one (from *hint*
+        and the chunk). Returns the file's codec choice, whether that was a full choice, and
+        the codec this chunk was really stored with (raw when it did not compress)."""
+        view = memoryview(data)
+        csum = _hash(view)  # a record is written only with the checksum of its own bytes
         full = False
-        copy = None  # of the slot, which may change after we return: raw records need one
         if codec_id is None:
             sample = view[:65536]
-            if expected == CODEC_RAW:  # copy first: the probe then reads cached bytes
-                copy = bytes(view)
-                sample = memoryview(copy)[:65536]
             if expected is not None and self.codec.confirms(sample, expected):
                 codec_id = expected
             else:
                 codec_id, full = self.codec.choose(sample, hint), True
         used, payload = self.codec.encode(view, codec_id)  # may fall back to raw
         if used == CODEC_RAW:
-            payload = copy if copy is not None else bytes(view)
+            payload = data
         return csum, codec_id, used, payload, full
 
     def drop_dram_copy(self, key: tuple[int, int]) -> None:
-        """Free the DRAM slot of a chunk that is safely on NVMe."""
+        """Free the DRAM copy of a chunk that is safely on NVMe (not of a file open in
+        passthrough mode: the kernel reads its DRAM file)."""
         loc = self.get(*key)
         if loc is None or loc.dram_slot < 0:
             self.policy.removed(key)
             return
-        if not loc.seg:
+        if not loc.seg or (key[0] in self.dram.pins and not loc.flags & PACKED):
             return
         with self.meta.write() as txn:
             self._replace(txn, key[0], key[1], loc, nvme_only(loc))
@@ -1231,21 +1396,39 @@ class ChunkStore:
 
     # -- truncate / delete -----------------------------------------------------------------
     async def truncate(self, ino: int, old_size: int, new_size: int) -> None:
+        """The file shrinks to *new_size*: chunks past it go, the last one is cut, and the
+        DRAM file is cut to match. (Growing needs nothing: holes read as zeros.)"""
         if self.allocated.get(ino, 0) > pages(new_size):
             self._set_allocated(ino, pages(new_size))  # space past the new end is released
         if new_size >= old_size:
             return
         cs = self.cs
         keep = self._nchunks(new_size)
+        gone = []
         with self.meta.write() as txn:
             for c in self.index.chunks_of(ino, self._nchunks(old_size)):
                 if c >= keep:
                     self._replace(txn, ino, c, self.get(ino, c), None)
+                    gone.append(c)
         cut = new_size - (keep - 1) * cs if new_size else 0
-        if not new_size or cut == cs:
-            return
-        c = keep - 1
+        if new_size and cut != cs:
+            await self._cut(ino, keep - 1, cut)
+        # NVMe reads of the chunks that went may still be writing their regions: wait, so
+        # that cutting the DRAM file is the last word on its length.
+        for c in gone:
+            pending = self._fetching.get((ino, c))
+            if pending is not None:
+                await pending.wait()
+        self.dram.truncate(ino, new_size)
+
+    async def _cut(self, ino: int, c: int, cut: int) -> None:
+        """Shorten chunk *c* to *cut* bytes (its DRAM bytes past that go with the DRAM file's
+        truncation, which the caller does next)."""
         while True:
+            pending = self._fetching.get((ino, c))
+            if pending is not None:
+                await pending.wait()
+                continue
             loc = self.get(ino, c)
             if loc is None or loc.raw_len <= cut:
                 return
@@ -1260,11 +1443,9 @@ class ChunkStore:
                     unsealed = loc._replace(flags=0)
                     self._replace(txn, ino, c, loc, unsealed)
                 loc = unsealed
-            self.dram.slot_view(loc.dram_slot, loc.raw_len)[cut:] = bytes(loc.raw_len - cut)
-            new = Loc(loc.dram_slot, 0, 0, 0, cut, 0, CODEC_RAW, 0, 0, self._next_seq())
+            new = Loc(IN_DRAM, 0, 0, 0, cut, 0, CODEC_RAW, 0, 0, self._next_seq())
             with self.meta.write() as txn:
                 self._replace(txn, ino, c, loc, new)
-            self.dram.punch(loc.dram_slot, pages(cut), pages(loc.raw_len) - pages(cut))
             return
 
     def delete_file(self, ino: int, size: int) -> None:
@@ -1303,10 +1484,8 @@ class ChunkStore:
             "tiers": {
                 "dram": {"capacity_bytes": self.dram.capacity, "used_bytes": self.dram_used,
                          "logical_bytes": self.dram_logical, "chunks": self.dram_chunks,
-                         "dirty_bytes": self.unbacked, "free_slots": self.dram.free_slots,
-                         "packed_chunks": self.dram_packed,
-                         "resident_bytes": self.dram.resident,
-                         "warm_bytes": self.dram.warm_bytes},
+                         "dirty_bytes": self.unbacked, "packed_chunks": self.dram_packed,
+                         "files": len(self.dram.claims), "passthrough_files": len(self.dram.pins)},
                 "nvme": {"capacity_bytes": self.nvme.capacity, "used_bytes": self.nvme_live,
                          "logical_bytes": self.nvme_logical, "chunks": self.nvme_chunks,
                          "segments": len(self.nvme.segments),
@@ -1323,6 +1502,9 @@ class ChunkStore:
             "moves": {"promotions": k.promotions, "demotions": k.demotions,
                       "writebacks": k.writebacks},
             "writes": {"direct_to_dram": k.direct_writes},
+            # opens the kernel served from DRAM files without the daemon (FUSE passthrough)
+            "passthrough": {"opens": k.passthrough_opens, "chunks": k.passthrough_chunks,
+                            "open_files": len(self.dram.pins)},
             # files whose codec was chosen by trial vs taken from their directory (choices.py)
             "codec_choices": {"full": self.choices.full, "taken": self.choices.taken},
             "prefetch": {"issued_chunks": k.prefetch_issued, "used_chunks": k.prefetch_used,

@@ -1,52 +1,50 @@
-"""DRAM tier: an arena of fixed-size chunk slots in one sparse file on tmpfs, mapped once.
+"""DRAM tier: one sparse tmpfs file per inode, each chunk at its own offset in it.
 
-Slot `i` lives at offset `i * chunk_size`. tmpfs allocates pages only where bytes are written,
-so a 64 KiB chunk costs 64 KiB of RAM, not a whole slot. Filling fresh tmpfs pages is slow:
-an allocation (or a page fault) and a zeroing per 4 KiB make pwrite into fresh pages ~4x
-slower than into populated ones on the machines we measured (0.76 vs 3.0 GiB/s). So the
-arena keeps pages: a freed slot stays *warm* (populated), and with `prefault` (the default)
-the arena reserves its whole capacity up front, as inference engines do with their pinned
-host-memory pools: a background task faults free slots in until the arena's RAM reaches the
-capacity, and writes and NVMe reads then copy into populated pages. A small chunk in a
-whole populated slot leaves the slot *fat* (populated past its chunk); over the capacity,
-fat slots' tails are trimmed. Without `prefault`, warm slots hold at most WARM_SHARE of the
-capacity and the rest of a freed slot's RAM goes back at once. Either way the arena's RAM
-(`resident`) stays within the capacity.
-Warm slots hold stale bytes past their new owner's length; the store never reads past a
-chunk's length and zeroes any gap it creates (see ChunkStore._apply_write).
-Punching a freed slot's pages takes tens of microseconds (tmpfs frees page by page), and a
-run of demotions frees dozens of slots at once; with `defer_punches` set (by
-ChunkStore.run_punches, while it runs) a freed slot that must give pages back is queued, and
-its pages are punched in a worker thread before it can be taken again.
-The file outlives the daemon, which is why a SIGKILL loses nothing: lmdb records which chunk
-owns which slot, and slots nobody owns are free at the next mount.
+Chunk c of inode i lives in `<dram_dir>/files/<i in hex>` at bytes [c * chunk_size,
+c * chunk_size + length): the *region* of (i, c). So a file whose chunks are all in DRAM is,
+byte for byte, the file the engine wrote, and the kernel can serve reads of it straight from
+tmpfs through FUSE passthrough, with no request to the daemon (kvfs/fs.py). tmpfs only
+allocates pages where bytes were written: a 64 KiB chunk costs 64 KiB of RAM.
 
-A small `tag` file next to the arena holds the filesystem's uuid; a missing or foreign tag means
-the DRAM contents are gone (reboot) or not ours, and the arena starts empty.
+This module is mechanism only; the chunk store keeps these rules:
+- A region holds bytes only while lmdb names it as the chunk's DRAM copy (or while an NVMe
+  read that `claim`ed it fills it). Every other byte of a DRAM file is a hole, so it reads as
+  zeros: the tail of a short chunk, the chunks on NVMe only, the holes of a sparse file.
+  `adopt` restores this at mount after a crash; at run time a region is punched when it is
+  `release`d (after the commit that stops naming it).
+- A DRAM file is never longer than the file it mirrors (so that a passthrough reader never
+  reads past the file's end): the store shrinks it on truncation.
+- A file is kept while it holds a claimed region or is `pin`ned (open in passthrough mode);
+  then it is disposed of: renamed into `trash/` at once (cheap) and unlinked and closed in a
+  worker thread (freeing a file's pages takes tens of microseconds per MiB, which FUSE
+  requests queued behind the trio thread would wait for).
+
+A small `tag` file holds the filesystem's uuid; a missing or foreign tag means the DRAM
+contents are gone (reboot) or not ours, and the tier starts empty.
+
+Worker threads read and write regions through a held file (`hold`/`drop`): its descriptor
+stays open, even if the file is disposed of meanwhile, until the last holder drops it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
+import itertools
 import logging
-import mmap
 import os
-from collections import deque
+import shutil
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from kvfs.store.osutil import populate_write, punch_hole
+from kvfs.store.osutil import punch_hole
 
 log = logging.getLogger(__name__)
 
 PAGE = 4096
-# Without prefault, populated-but-free slots may hold this share of the capacity: enough for
-# bursts of demotion and promotion to reuse populated pages, little enough that deleted data
-# gives most of its RAM back.
-WARM_SHARE = 0.25
-
-
-class DramFull(Exception):
-    """No free slot in the arena (the caller must demote something first)."""
+# Descriptors of DRAM files kept open (least recently used closed first): opening a tmpfs
+# file costs a few microseconds, a descriptor nothing, but the process has a limit.
+OPEN_FILES = 4096
 
 
 def is_tmpfs(path: str) -> bool:
@@ -68,360 +66,295 @@ def pages(n: int) -> int:
     return (n + PAGE - 1) & ~(PAGE - 1)
 
 
-class DramArena:
-    """Slot allocator over the mapped arena. Pure mechanism: what to evict is tiering's call."""
+@dataclass(eq=False)
+class DramFile:
+    """An open DRAM file. `users`: worker threads holding it; `gone`: disposed of (renamed
+    into the trash), closed when the last holder drops it."""
 
-    def __init__(self, directory: str, fs_uuid: str, chunk_size: int, capacity: int,
-                 prefault: bool = True) -> None:
+    ino: int
+    fd: int
+    users: int = 0
+    gone: bool = False
+
+
+class DramFiles:
+    """The DRAM files of one mount: descriptors, claimed regions, pins, disposal."""
+
+    def __init__(self, directory: str, fs_uuid: str, chunk_size: int, capacity: int) -> None:
         self.directory = directory
-        self.prefault = prefault
         self.chunk_size = chunk_size
         self.capacity = capacity
-        # Small chunks use a fraction of a slot, so allow more slots than capacity/chunk_size;
-        # unused slots cost address space only.
-        self.nslots = max(16, 8 * capacity // chunk_size)
-        os.makedirs(directory, exist_ok=True)
-        self.path = os.path.join(directory, "arena")
+        self.files_dir = os.path.join(directory, "files")
+        self.trash_dir = os.path.join(directory, "trash")
         tag_path = os.path.join(directory, "tag")
+        os.makedirs(directory, exist_ok=True)
         try:
             with open(tag_path) as f:
                 tag = f.read().strip()
         except FileNotFoundError:
             tag = None
-        self.survived = tag == fs_uuid and os.path.exists(self.path)
+        # The previous layout (one arena file of slots) is migrated by the chunk store.
+        self.arena_path = os.path.join(directory, "arena")
+        self.survived = tag == fs_uuid
         if not self.survived:
-            if tag is not None and tag != fs_uuid:
+            if tag is not None:
                 log.warning("DRAM dir %s belonged to another kvfs (%s); starting it empty",
                             directory, tag)
-            if os.path.exists(self.path):
-                os.unlink(self.path)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        size = self.nslots * chunk_size
-        if os.fstat(self.fd).st_size < size:
-            os.ftruncate(self.fd, size)
-        else:
-            self.nslots = os.fstat(self.fd).st_size // chunk_size
-        self.map = mmap.mmap(self.fd, self.nslots * chunk_size, mmap.MAP_SHARED,
-                             mmap.PROT_READ | mmap.PROT_WRITE)
-        self.view = memoryview(self.map)
-        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))  # for madvise
-        self._populate_by_madvise = True
+            for name in ("files", "trash"):
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+            if os.path.exists(self.arena_path):
+                os.unlink(self.arena_path)
+        os.makedirs(self.files_dir, exist_ok=True)
+        shutil.rmtree(self.trash_dir, ignore_errors=True)  # what a crash left to unlink
+        os.makedirs(self.trash_dir, exist_ok=True)
         if not self.survived:
             with open(tag_path + ".tmp", "w") as f:
                 f.write(fs_uuid)
             os.replace(tag_path + ".tmp", tag_path)
-        self._free: list[int] = []
-        self._warm: deque[int] = deque()  # free but populated: fastest to write into
-        # Bytes of pages populated per slot (what its owners wrote since the last punch).
-        self.populated = [0] * self.nslots
-        self.resident = 0  # sum of populated: the arena's RAM
-        # Bytes of pages a used slot's owner may hold (its chunk's length, page-rounded); a
-        # used slot populated beyond that (a small chunk in a prefaulted slot) is *fat*: its
-        # tail is RAM nobody reads, trimmed when the arena is over its capacity.
-        self.need = [0] * self.nslots
-        self._fat: set[int] = set()
-        self.warm_bytes = 0  # ... of which in warm slots
-        self.warm_max = capacity if prefault else int(WARM_SHARE * capacity)
-        self._used_slots: set[int] = set()
-        # Freed slots waiting for their pages to be punched: (slot, bytes kept, warm after).
-        self._punching: list[tuple[int, int, bool]] = []
-        self._leaving = 0  # bytes those punches will give back
-        self.defer_punches = False
-        self.on_punch_queued = lambda: None
-        self.trimmed = 0  # fat slots' tails punched
-        # Slots a worker thread is reading (a packed chunk being decoded) -> readers; a slot
-        # freed meanwhile is given back when its last reader is done, never reused under it.
-        self._pins: dict[int, int] = {}
-        self._freed_pinned: set[int] = set()
+        self._open: OrderedDict[int, DramFile] = OrderedDict()
+        self.claims: dict[int, int] = {}  # ino -> regions claimed (chunks held or filling)
+        # (ino, chunk) -> a number that changes with every claim of the region: a worker
+        # that read a region can tell whether it was released and claimed again meanwhile.
+        self.claim_ids: dict[tuple[int, int], int] = {}
+        self._claim_seq = itertools.count(1)
+        self.pins: dict[int, int] = {}  # ino -> passthrough opens (file must stay)
+        self._released: dict[int, list[tuple[int, int]]] = {}  # ino -> [(start, length)]
+        self._trash_seq = itertools.count()
+        self._disposals: list[tuple[str, int]] = []  # (trash path, fd or -1) to remove
+        self.on_disposal_queued: Callable[[], None] = lambda: None
+        self.disposed = 0  # files removed since mount
 
-    def adopt(self, used: dict[int, int]) -> None:
-        """Start bookkeeping from the slots lmdb says are owned ({slot: bytes}); the others
-        are free, warm where the surviving arena still has their pages."""
-        self._used_slots = set(used)
-        self.populated = self._scan_populated() if self.survived else [0] * self.nslots
-        self.need = [0] * self.nslots
-        for s, length in used.items():
-            self.need[s] = pages(length)
-            self.populated[s] = max(self.populated[s], self.need[s])
-        self._fat = {s for s in used if self.populated[s] > self.need[s]}
-        self.resident = sum(self.populated)
-        self._warm, self._free, self.warm_bytes = deque(), [], 0
-        for s in range(self.nslots - 1, -1, -1):
-            if s in self._used_slots:
-                continue
-            held = self.populated[s]
-            if held and self.warm_bytes + held <= self.warm_max and self.resident <= self.capacity:
-                self._warm.append(s)  # a slot nobody owns (freed, or orphaned by a crash)
-                self.warm_bytes += held
-            else:
-                self.punch(s, 0, self.chunk_size)
-                self._free.append(s)
+    def path(self, ino: int) -> str:
+        return os.path.join(self.files_dir, f"{ino:x}")
 
-    def _scan_populated(self) -> list[int]:
-        """Bytes populated per slot in the arena file (SEEK_DATA/SEEK_HOLE walk)."""
-        out = [0] * self.nslots
-        end = self.nslots * self.chunk_size
-        pos = 0
-        while pos < end:
+    # -- mount and unmount -------------------------------------------------------------------
+    def adopt(self, owned: dict[int, list[tuple[int, int]]]) -> None:
+        """Start from the regions lmdb names ({ino: [(chunk, length)]}, lengths in bytes of
+        the region). Files nobody owns are removed; in the others, every byte outside an
+        owned region is punched and the file cut after its last region (what a crash can
+        leave: a fetch's bytes never committed, a truncation half done)."""
+        self.claims = {ino: len(regions) for ino, regions in owned.items()}
+        self.claim_ids = {(ino, c): next(self._claim_seq)
+                          for ino, regions in owned.items() for c, _ in regions}
+        for name in os.listdir(self.files_dir):
             try:
-                start = os.lseek(self.fd, pos, os.SEEK_DATA)
-            except OSError:
-                break  # ENXIO: no data after pos
-            stop = min(end, os.lseek(self.fd, start, os.SEEK_HOLE))
-            while start < stop:
-                slot = start // self.chunk_size
-                upto = min(stop, (slot + 1) * self.chunk_size)
-                out[slot] = max(out[slot], pages(upto - slot * self.chunk_size))
-                start = upto
-            pos = stop
-        return out
+                ino = int(name, 16)
+            except ValueError:
+                ino = -1
+            if ino not in owned:
+                os.unlink(os.path.join(self.files_dir, name))
+                continue
+            keep = sorted((c * self.chunk_size, c * self.chunk_size + n) for c, n in owned[ino])
+            fd = os.open(os.path.join(self.files_dir, name), os.O_RDWR)
+            try:
+                end = keep[-1][1] if keep else 0
+                if os.fstat(fd).st_size > end:
+                    os.ftruncate(fd, end)
+                pos = 0
+                for start, stop in keep + [(end, end)]:
+                    if start > pos:
+                        punch_hole(fd, pos, start - pos)
+                    pos = max(pos, stop)
+            finally:
+                os.close(fd)
+
+    def missing(self, ino: int) -> bool:
+        """True if the DRAM file of *ino* does not exist (checked at mount)."""
+        return not os.path.exists(self.path(ino))
 
     def close(self) -> None:
-        """Unmap the arena. Free slots give their RAM back (chunks' pages stay: the next mount
-        finds them, as after a crash)."""
-        self.punch_queued(self.take_punches())
-        for s in self._warm:
-            self.punch(s, 0, self.chunk_size)
-        self._warm.clear()
-        self.view.release()
-        self.map.close()
-        os.close(self.fd)
+        """Close every descriptor and finish the queued disposals (unmount)."""
+        self.dispose_many(self.take_disposals())
+        for f in self._open.values():
+            os.close(f.fd)
+        self._open.clear()
 
-    # -- allocation ------------------------------------------------------------------------
-    def alloc(self, length: int = 0) -> int:
-        """Take a free slot, populated if possible, for a chunk of up to *length* bytes."""
-        return self.alloc_unfaulted(length)[0]
+    # -- descriptors -------------------------------------------------------------------------
+    def fd(self, ino: int) -> int:
+        """The descriptor of *ino*'s DRAM file, created (empty) if it does not exist."""
+        f = self._open.get(ino)
+        if f is not None:
+            self._open.move_to_end(ino)
+            return f.fd
+        f = DramFile(ino, os.open(self.path(ino), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        self._open[ino] = f
+        if len(self._open) > OPEN_FILES:
+            self._close_some()
+        return f.fd
 
-    def alloc_unfaulted(self, length: int) -> tuple[int, int]:
-        """`alloc`, and where in the slot its pages stop being populated (>= *length*: all
-        are), for a caller that will write through the mapping (see `ensure_pages`)."""
-        if not self._warm and not self._free and self._punching:
-            self.punch_queued([self._punching.pop()])  # the last free slots wait for a punch
-        if self._warm:
-            slot = self._warm.pop()
-            self.warm_bytes -= self.populated[slot]
-        elif self._free:
-            slot = self._free.pop()
+    def _close_some(self) -> None:
+        for ino in list(itertools.islice(self._open, len(self._open) - OPEN_FILES // 2)):
+            f = self._open[ino]
+            if f.users == 0:
+                del self._open[ino]
+                os.close(f.fd)
+
+    def hold(self, ino: int) -> DramFile:
+        """Keep *ino*'s DRAM file open for a worker thread until `drop`."""
+        self.fd(ino)
+        f = self._open[ino]
+        f.users += 1
+        return f
+
+    def drop(self, f: DramFile) -> None:
+        f.users -= 1
+        if f.users == 0 and f.gone:
+            self._queue_disposal("", f.fd)
+
+    # -- regions -----------------------------------------------------------------------------
+    def claim(self, ino: int, c: int) -> None:
+        """Region (ino, c) is about to receive a chunk's bytes."""
+        self.claims[ino] = self.claims.get(ino, 0) + 1
+        self.claim_ids[(ino, c)] = next(self._claim_seq)
+
+    def unclaim(self, ino: int) -> None:
+        """Undo a `claim` whose region turned out to be someone else's (nothing to punch)."""
+        left = self.claims.get(ino, 0) - 1
+        if left > 0:
+            self.claims[ino] = left
         else:
-            raise DramFull()
-        self._used_slots.add(slot)
-        self.need[slot] = 0
-        held = self.populated[slot]
-        self.grow(slot, length)
-        if self.populated[slot] > self.need[slot]:
-            self._fat.add(slot)
-        self._trim()
-        return slot, held
+            self.claims.pop(ino, None)
 
-    def grow(self, slot: int, end: int) -> None:
-        """The owner of *slot* may now hold bytes up to *end* (it writes there next)."""
-        if pages(end) > self.need[slot]:
-            self.need[slot] = pages(end)
-            if self.need[slot] >= self.populated[slot]:
-                self._fat.discard(slot)
-        self._populate(slot, end)
+    def release(self, ino: int, c: int, length: int) -> None:
+        """Region (ino, c) no longer holds anything: its pages go at the next `settle`."""
+        self.claim_ids.pop((ino, c), None)
+        self.unclaim(ino)
+        self._released.setdefault(ino, []).append((c * self.chunk_size, pages(length)))
 
-    def _populate(self, slot: int, end: int) -> None:
-        grown = pages(end) - self.populated[slot]
-        if grown > 0:
-            self.populated[slot] += grown
-            self.resident += grown
-        if self.resident - self._leaving > self.capacity:
-            self._trim()
+    def settle(self) -> None:
+        """Give back the pages of the regions released since the last call: whole files
+        nobody holds any more are disposed of, other regions punched (runs after every
+        commit, once its released regions are known)."""
+        released, self._released = self._released, {}
+        for ino, regions in released.items():
+            if ino not in self.claims and ino not in self.pins:
+                self.dispose(ino)
+                continue
+            if regions and not self.missing_open(ino):
+                fd = self.fd(ino)
+                for start, length in regions:
+                    self._punch(fd, start, length)
 
-    def _trim(self) -> None:
-        """Over the capacity: punch fat slots' unused tails (on this thread: the owner may
-        write into its slot right after) until the arena is within it again."""
-        while self._fat and self.resident - self._leaving > self.capacity:
-            slot = self._fat.pop()
-            self.punch(slot, self.need[slot], self.chunk_size - self.need[slot])
-            self.trimmed += 1
+    def punch(self, ino: int, start: int, length: int) -> None:
+        """Drop the pages of [start, start+length) of *ino*'s DRAM file (reads give zeros)."""
+        if length > 0 and not self.missing_open(ino):
+            self._punch(self.fd(ino), start, length)
 
-    def pin(self, slot: int) -> None:
-        """A worker thread is about to read *slot*: a `free` waits until `unpin`."""
-        self._pins[slot] = self._pins.get(slot, 0) + 1
+    def missing_open(self, ino: int) -> bool:
+        return ino not in self._open and not os.path.exists(self.path(ino))
 
-    def unpin(self, slot: int) -> None:
-        left = self._pins.pop(slot) - 1
-        if left:
-            self._pins[slot] = left
-        elif slot in self._freed_pinned:
-            self._freed_pinned.discard(slot)
-            self.free(slot, 0)
+    @staticmethod
+    def _punch(fd: int, start: int, length: int) -> None:
+        try:
+            punch_hole(fd, start, length)
+        except OSError as exc:  # tmpfs always punches; zeroing keeps the rule, not the RAM
+            log.warning("DRAM tier: punching failed (%s); zeroing instead", exc)
+            os.pwrite(fd, bytes(length), start)
 
-    def free(self, slot: int, length: int) -> None:
-        """Give the slot back: warm (still populated) while the RAM budget allows, else
-        punched so its RAM returns. Over the budget, only the excess is punched: the rest of
-        the slot stays warm for the next chunk (a small chunk in a prefaulted slot would
-        otherwise make every later free punch a whole slot, and every alloc fault it in)."""
-        if slot in self._pins:
-            self._freed_pinned.add(slot)
+    def truncate(self, ino: int, size: int) -> None:
+        """The file is now *size* bytes: cut its DRAM file if it is longer."""
+        if self.missing_open(ino):
             return
-        self._used_slots.discard(slot)
-        self._fat.discard(slot)
-        self.need[slot] = 0
-        held = self.populated[slot]
-        resident = self.resident - self._leaving
-        keep = held
-        if held and resident > self.capacity:
-            keep = max(0, held - pages(resident - self.capacity))
-        if not (keep and self.warm_bytes + keep <= self.warm_max
-                and resident - (held - keep) <= self.capacity):
-            keep = 0
-        if keep == held and keep:
-            self._warm.append(slot)
-            self.warm_bytes += held
-        elif self.defer_punches:
-            self._punching.append((slot, keep, keep > 0))
-            self._leaving += held - keep
-            self.on_punch_queued()
-        else:
-            self.punch(slot, keep, self.chunk_size - keep)
-            self._settle(slot, keep > 0)
+        fd = self.fd(ino)
+        if os.fstat(fd).st_size > size:
+            os.ftruncate(fd, size)
 
-    def _settle(self, slot: int, warm: bool) -> None:
-        """A freed slot whose pages beyond what it keeps are gone: warm or free."""
-        if warm and self.populated[slot]:
-            self._warm.append(slot)
-            self.warm_bytes += self.populated[slot]
-        else:
-            self._free.append(slot)
+    def extend(self, ino: int, size: int) -> int:
+        """Make *ino*'s DRAM file at least *size* bytes long (a passthrough reader must see
+        the file's whole length: the kernel stops at the backing file's end) and return its
+        descriptor."""
+        fd = self.fd(ino)
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+        return fd
 
-    # -- punches in a worker thread (defer_punches) -------------------------------------------
+    # -- byte movement (trio thread; workers use held files) ---------------------------------
+    def write(self, ino: int, c: int, start: int, data) -> None:
+        """Copy *data* into region (ino, c) at *start*."""
+        off = c * self.chunk_size + start
+        done = os.pwrite(self.fd(ino), data, off)
+        if done != len(data):  # tmpfs writes are never short unless memory ran out
+            raise OSError(errno.ENOSPC, f"short write to the DRAM tier ({done}/{len(data)})")
+
+    def read_into(self, ino: int, c: int, buf) -> None:
+        """Fill *buf* (a writable buffer) from the start of region (ino, c)."""
+        self.read_region(self.fd(ino), self.chunk_size * c, buf)
+
+    @staticmethod
+    def read_region(fd: int, offset: int, buf) -> None:
+        """pread *buf* full from *offset* (any thread); a short read means the file is
+        shorter than the region (a chunk store bug or tampering): the rest reads as zeros."""
+        view = memoryview(buf)
+        done = os.preadv(fd, [view], offset)
+        if done < len(view):
+            view[done:] = bytes(len(view) - done)
+
+    def region_offset(self, c: int) -> int:
+        return c * self.chunk_size
+
+    # -- passthrough pins ----------------------------------------------------------------------
+    def pin(self, ino: int) -> None:
+        """*ino* is open in passthrough mode: its file must stay (the kernel reads it)."""
+        self.pins[ino] = self.pins.get(ino, 0) + 1
+
+    def unpin(self, ino: int) -> None:
+        left = self.pins.pop(ino) - 1
+        if left:
+            self.pins[ino] = left
+        elif ino not in self.claims:
+            self._released.setdefault(ino, [])
+            self.settle()
+
+    # -- disposal ------------------------------------------------------------------------------
+    def dispose(self, ino: int) -> None:
+        """Remove *ino*'s DRAM file: renamed into the trash now, its pages freed by a worker
+        (`dispose_many`). Holders keep their descriptor until they drop it."""
+        f = self._open.pop(ino, None)
+        trash = os.path.join(self.trash_dir, f"{ino:x}.{next(self._trash_seq)}")
+        try:
+            os.rename(self.path(ino), trash)
+        except FileNotFoundError:
+            trash = ""
+        self.disposed += 1
+        if f is None:
+            if trash:
+                self._queue_disposal(trash, -1)
+            return
+        f.gone = True
+        if f.users:
+            if trash:
+                self._queue_disposal(trash, -1)  # unlinked now, closed by the last drop
+            return
+        self._queue_disposal(trash, f.fd)
+
+    def _queue_disposal(self, trash: str, fd: int) -> None:
+        self._disposals.append((trash, fd))
+        self.on_disposal_queued()
+
     @property
-    def pending_punches(self) -> int:
-        return len(self._punching)
+    def pending_disposals(self) -> int:
+        return len(self._disposals)
 
-    def take_punches(self) -> list[tuple[int, int, bool]]:
-        batch, self._punching = self._punching, []
+    def take_disposals(self) -> list[tuple[str, int]]:
+        batch, self._disposals = self._disposals, []
         return batch
 
-    def punch_many(self, batch: list[tuple[int, int, bool]]) -> list[bool]:
-        """Worker thread: punch each queued slot beyond what it keeps. The slots belong to
-        nobody meanwhile; no bookkeeping is touched here. Returns, per slot, whether its
-        pages went (False: the kernel refused and the bytes were zeroed in place)."""
-        return [self._drop_pages(slot, keep, self.chunk_size - keep) for slot, keep, _ in batch]
-
-    def punched(self, batch: list[tuple[int, int, bool]], done: list[bool]) -> None:
-        """The punches of *batch* are done: account for them and give the slots out again."""
-        for (slot, keep, warm), ok in zip(batch, done, strict=True):
-            gone = self.populated[slot] - keep
-            self._leaving -= max(0, gone)
-            if ok and gone > 0:
-                self.resident -= gone
-                self.populated[slot] = keep
-            self._settle(slot, warm)
-
-    def punch_queued(self, batch: list[tuple[int, int, bool]]) -> None:
-        """Punch *batch* now, on the calling thread."""
-        self.punched(batch, self.punch_many(batch))
-
-    # -- prefaulting (the reserved arena) ---------------------------------------------------
-    def to_prefault(self, nbytes: int) -> list[int]:
-        """Take free unpopulated slots, up to *nbytes* and within the capacity, for the
-        caller to populate (fill them, then hand them back with `prefaulted`)."""
-        out: list[int] = []
-        room = min(nbytes, self.capacity - self.resident)
-        while self._free and room >= self.chunk_size:
-            out.append(self._free.pop())
-            room -= self.chunk_size
-            self.resident += self.chunk_size  # counted now: allocations meanwhile see it
-        return out
-
-    def fill(self, slots: list[int]) -> None:
-        """Populate whole slots (worker thread: the slots belong to nobody meanwhile).
-
-        By a write fault of every page, not fallocate: tmpfs leaves fallocated pages
-        unwritten, so the first write into them still pays the zeroing, and in a VM the
-        host's own first touch (here a 256 KiB pwrite into a fallocated slot took ~370 us,
-        into a faulted-in one ~45 us; `tools/bench_fs.py --configs kvfs-dram` writes)."""
-        cs = self.chunk_size
-        for s in slots:
-            if not self._fault_in(s * cs, cs):
-                os.posix_fallocate(self.fd, s * cs, cs)
-
-    def _fault_in(self, offset: int, length: int) -> bool:
-        """Write-fault the arena's pages of [offset, offset+length) in (MADV_POPULATE_WRITE).
-        False: this kernel (before 5.14) cannot; OSError: the tmpfs has no room (EFAULT)."""
-        if not self._populate_by_madvise:
-            return False
-        try:
-            populate_write(self._base + offset, length)
-            return True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            self._populate_by_madvise = False
-            return False
-
-    def prefaulted(self, slots: list[int], ok: bool = True) -> None:
-        """The slots from `to_prefault` are populated (or, not *ok*, given back as they were)."""
-        for s in slots:
-            if ok:
-                self.populated[s] = self.chunk_size
-                self._warm.appendleft(s)  # behind the recently freed ones, still in cache
-                self.warm_bytes += self.chunk_size
-            else:  # a fill cut short (tmpfs full) may have left some pages: drop them
-                self._drop_pages(s, 0, self.chunk_size)
-                self.resident -= self.chunk_size
-                self._free.append(s)
-
-    def write(self, slot: int, start: int, data) -> None:
-        """Copy *data* into a slot at *start*. pwrite, not the mapping: the kernel fills fresh
-        tmpfs pages without a page fault per 4 KiB."""
-        off = slot * self.chunk_size + start
-        self.grow(slot, start + len(data))
-        done = os.pwrite(self.fd, data, off)
-        if done != len(data):  # tmpfs writes are never short unless memory ran out
-            raise OSError(errno.ENOSPC, f"short write to the DRAM arena ({done}/{len(data)})")
-
-    def copy_in(self, slot: int, data) -> bool:
-        """Worker thread: `write` *data* at the start of a slot taken with `alloc(len(data))`
-        (which did the bookkeeping). False: the tmpfs has no room for its pages."""
-        try:
-            return os.pwrite(self.fd, data, slot * self.chunk_size) == len(data)
-        except OSError:
-            return False
-
-    def punch(self, slot: int, start: int, length: int) -> None:
-        """Drop the pages of [start, start+length) of a slot (page-aligned start)."""
-        if length <= 0 or not self._drop_pages(slot, start, length):
-            return
-        if start + length >= self.populated[slot] > start:
-            self.resident -= self.populated[slot] - start
-            self.populated[slot] = start
-
-    def _drop_pages(self, slot: int, start: int, length: int) -> bool:
-        """The system call behind a punch (any thread; no bookkeeping). False: the kernel
-        refused, and the bytes were zeroed instead (same effect for readers, keeps the RAM)."""
-        off = slot * self.chunk_size + start
-        try:
-            punch_hole(self.fd, off, length)
-            return True
-        except OSError:
-            self.map[off:off + length] = bytes(length)
-            return False
+    @staticmethod
+    def dispose_many(batch: list[tuple[str, int]]) -> None:
+        """Any thread: unlink trashed files and close their descriptors (the pages go with
+        the last of the two). Never raises: each is done once, whatever happens."""
+        for trash, fd in batch:
+            if trash:
+                try:
+                    os.unlink(trash)
+                except OSError as exc:
+                    log.warning("DRAM tier: cannot remove %s: %s", trash, exc)
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError as exc:
+                    log.warning("DRAM tier: closing a DRAM file failed: %s", exc)
 
     @property
-    def free_slots(self) -> int:
-        # queued slots count (alloc punches one itself if it must); a batch a worker is
-        # punching right now does not
-        return len(self._free) + len(self._warm) + len(self._punching)
-
-    def ensure_pages(self, slot: int, start: int, length: int) -> bool:
-        """Make the pages of [start, length) of a slot present before they are written
-        through the mapping (any thread; *start* from `alloc_unfaulted`). False: the tmpfs
-        has no room for them (the write would have been SIGBUS). Before Linux 5.14 this
-        cannot be checked: True."""
-        if start >= length:
-            return True
-        try:
-            self._fault_in(slot * self.chunk_size + start, pages(length) - start)
-            return True
-        except OSError:
-            return False
-
-    def slot_view(self, slot: int, length: int) -> memoryview:
-        off = slot * self.chunk_size
-        return self.view[off:off + length]
-
+    def open_files(self) -> int:
+        return len(self._open)

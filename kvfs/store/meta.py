@@ -33,10 +33,10 @@ import lmdb
 
 log = logging.getLogger(__name__)
 
-# Format 2 adds the PACKED chunk flag (docs/FORMAT.md); a format-1 store is a valid format-2
-# store, and is marked 2 when a mount may write that flag (dram_compress).
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
+# Format 2 adds the PACKED chunk flag; format 3 moves DRAM copies from one arena file of
+# slots to one file per inode (docs/FORMAT.md). Formats 1 and 2 are migrated at mount.
+FORMAT_VERSION = 3
+READABLE_FORMATS = (1, 2, 3)
 _U64 = struct.Struct(">Q")
 _KEY2 = struct.Struct(">QQ")
 TABLES = (b"super", b"inodes", b"dirents", b"symlinks", b"xattrs", b"chunks", b"counters",
@@ -76,6 +76,9 @@ class MetaStore:
         self.db = {name.decode(): self.env.open_db(name) for name in TABLES}
         self._txn: lmdb.Transaction | None = None
         self._after: list = []
+        # Runs after each commit's after_commit functions (the DRAM tier frees the regions
+        # they released, all at once).
+        self.on_settled = lambda: None
 
     def close(self) -> None:
         self.env.sync(True)
@@ -99,14 +102,14 @@ class MetaStore:
             )
         return sb
 
-    def require_format(self, version: int) -> None:
-        """Mark the store as (at least) *version* before writing what older kvfs cannot read."""
-        sb = self.load_superblock()
+    def set_format(self, txn: lmdb.Transaction, version: int) -> None:
+        """Mark the store as (at least) *version* in the caller's transaction, with the
+        changes that need it; the caller syncs."""
+        raw = txn.get(b"superblock", db=self.db["super"])
+        sb = json.loads(raw) if raw is not None else None
         if sb is not None and sb["format"] < version:
             sb["format"] = version
-            with self.env.begin(write=True, db=self.db["super"]) as txn:
-                txn.put(b"superblock", json.dumps(sb).encode())
-            self.env.sync(True)
+            txn.put(b"superblock", json.dumps(sb).encode(), db=self.db["super"])
             log.info("metadata format is now %d", version)
 
     def create_superblock(self, chunk_size: int, segment_size: int) -> dict:
@@ -141,6 +144,8 @@ class MetaStore:
         after, self._after = self._after, []
         for fn in after:
             fn()
+        if after:
+            self.on_settled()
 
     def after_commit(self, fn) -> None:
         """Run *fn* once the current write transaction has committed (dropped on abort)."""

@@ -6,6 +6,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -56,30 +59,41 @@ def test_small_file_costs_its_pages(kv):
     assert st["used_bytes"] == 4096 and st["logical_bytes"] == 4096
 
 
-def _arena_bytes(m) -> int:
-    return os.stat(m.dram_dir / "arena").st_blocks * 512
+def _dram_bytes(m) -> int:
+    """RAM the DRAM tier's files hold (tmpfs pages)."""
+    files = m.dram_dir / "files"
+    return sum(os.stat(files / n).st_blocks * 512 for n in os.listdir(files))
 
 
-def test_dram_tier_reserves_its_ram_and_never_exceeds_it(mount_factory):
-    """By default the arena populates its free slots up to the tier's capacity (writes then
-    copy into populated pages); it never holds more, and a clean unmount gives back the RAM
-    of the slots no chunk uses. With nodram_prefault, RAM follows the data."""
+def _dram_file(m, name: str) -> Path:
+    return m.dram_dir / "files" / f"{os.stat(m.path / name).st_ino:x}"
+
+
+def test_dram_tier_holds_only_its_chunks_and_never_exceeds_it(mount_factory):
+    """DRAM files take pages as chunks arrive and give them back as they leave: the tier's
+    RAM stays within its capacity through demotion, what a file no longer holds in DRAM is
+    punched, and a file with nothing in DRAM has no DRAM file."""
     m = mount_factory(dram_size="8M")
     cap = m.status()["tiers"]["dram"]["capacity_bytes"]
-    _wait(lambda: m.status()["tiers"]["dram"]["resident_bytes"] >= cap - CHUNK)
-    files = _fill(m, "p", 8, 100_000)  # small chunks in populated 64 KiB slots
+    files = _fill(m, "p", 8, 100_000)
     dram = m.status()["tiers"]["dram"]
-    assert dram["resident_bytes"] <= cap and _arena_bytes(m) <= cap
-    m.unmount()
-    held = _arena_bytes(m)
-    assert held <= dram["chunks"] * CHUNK  # only the chunks' slots stay, for the next mount
-    m.start(dram_prefault="off")
-    time.sleep(0.3)
-    assert m.status()["tiers"]["dram"]["resident_bytes"] <= held
+    assert _dram_bytes(m) == dram["used_bytes"] <= cap
+    big = _fill(m, "q", 12, 1 << 20)  # through a tier of 8 MiB: demotion
+    assert _dram_bytes(m) <= cap
+    _wait(lambda: _dram_bytes(m) == m.status()["tiers"]["dram"]["used_bytes"])
+    gone = [n for n in {**files, **big} if m.tiers(n) == {"nvme"}]
+    assert gone and not any(_dram_file(m, n).exists() for n in gone)
     _check(m, files)
-    big = _fill(m, "q", 4, 1 << 20)  # through a tier of 8 MiB: demotion frees slots
-    assert _arena_bytes(m) <= cap
     _check(m, big)
+    m.unmount()
+    held = _dram_bytes(m)
+    m.start()
+    assert _dram_bytes(m) == held == m.status()["tiers"]["dram"]["used_bytes"]
+    for n in files:
+        os.unlink(m.path / n)
+    for n in big:
+        os.unlink(m.path / n)
+    _wait(lambda: _dram_bytes(m) == 0 and not os.listdir(m.dram_dir / "files"))
 
 
 def test_scan_does_not_flush_reused_blocks(kv):
@@ -216,34 +230,20 @@ def test_fsync_survives_losing_dram(kv):
     assert ei.value.errno == errno.EIO
 
 
-def _arena_offset(m, name: str) -> int:
-    """Where the first chunk of *name* lives in the DRAM arena file."""
-    from kvfs.store.meta import MetaStore, from_key2  # read-only peek, daemon stopped
-
-    ino = os.stat(m.path / name).st_ino
-    m.unmount()
-    meta = MetaStore(str(m.nvme_dir / "meta"))
-    import struct
-
-    try:
-        for k, v in meta.scan("chunks"):
-            if from_key2(k) == (ino, 0):
-                slot = struct.unpack_from("<q", v)[0]
-                return slot * CHUNK
-    finally:
-        meta.env.close()
-    raise AssertionError("chunk not found")
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def test_corrupt_dram_chunk_is_eio(kv):
     data = os.urandom(100_000)
     (kv.path / "c").write_bytes(data)
-    off = _arena_offset(kv, "c")  # unmounts
-    with open(kv.dram_dir / "arena", "r+b") as f:
-        f.seek(off + 5)
-        byte = f.read(1)
-        f.seek(off + 5)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    path = _dram_file(kv, "c")
+    kv.unmount()
+    _flip_byte(path, 5)
     kv.start()
     with pytest.raises(OSError) as ei:
         (kv.path / "c").read_bytes()
@@ -256,28 +256,6 @@ def test_corrupt_dram_chunk_is_eio(kv):
         assert f.read() == data[CHUNK:]
 
 
-def _live_slot(m, name: str) -> int | None:
-    """DRAM slot of *name*'s first chunk, read from the metadata while the daemon runs (lmdb
-    allows readers in other processes)."""
-    import struct
-
-    import lmdb
-
-    from kvfs.store.meta import from_key2
-
-    ino = os.stat(m.path / name).st_ino
-    env = lmdb.open(str(m.nvme_dir / "meta"), readonly=True, lock=True, max_dbs=16)
-    try:
-        db = env.open_db(b"chunks", create=False)
-        with env.begin(db=db) as txn:
-            for k, v in txn.cursor():
-                if from_key2(k) == (ino, 0):
-                    return struct.unpack_from("<q", v)[0]
-    finally:
-        env.close()
-    return None
-
-
 def test_prefetched_chunk_is_checked_again_after_its_first_read(kv):
     """A prefetch verifies the chunk in its DRAM slot, so the first read skips the hash; any
     later read checks it again: damage in DRAM after staging is still EIO."""
@@ -288,13 +266,8 @@ def test_prefetched_chunk_is_checked_again_after_its_first_read(kv):
     assert prefetch([kv.path / victim], strict=True) == 1
     _wait(lambda: "dram" in kv.tiers(victim))
     assert (kv.path / victim).read_bytes() == files[victim]  # the read that counts as checked
-    slot = _live_slot(kv, victim)
-    assert slot is not None and slot >= 0
-    with open(kv.dram_dir / "arena", "r+b") as f:
-        f.seek(slot * CHUNK + 5)
-        byte = f.read(1)
-        f.seek(slot * CHUNK + 5)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    assert "dram" in kv.tiers(victim)
+    _flip_byte(_dram_file(kv, victim), 5)
     with pytest.raises(OSError) as ei:
         (kv.path / victim).read_bytes()
     assert ei.value.errno == errno.EIO
@@ -429,9 +402,6 @@ def test_second_daemon_on_same_store_refused(mount_factory, tmp_path):
 
 
 def test_fsck_clean_and_detects_corruption(kv):
-    import subprocess
-    import sys
-
     files = _fill(kv, "f", 30, 128 << 10)
     seg = kv.where(_nvme_only(kv, files)[0])[0]["segment"]
     kv.unmount()
@@ -612,16 +582,13 @@ def test_writes_into_packed_chunks(mount_factory):
 
 
 def test_packed_copies_survive_remount_kill_and_reboot(mount_factory):
-    import subprocess
-    import sys
-
     m = mount_factory(dram_compress="1")
     files = {f"k{i}": b for i, b in enumerate(_kv_blocks(6, 2 * CHUNK))}
     for name, data in files.items():
         _write_durably(m.path / name, data)
     assert _packed(m, files) == 12
     m.unmount()
-    assert _superblock_format(m) == 2
+    assert _superblock_format(m) == 3
     r = subprocess.run([sys.executable, "-m", "kvfs.cli.fsck", str(m.nvme_dir), "--dram-dir",
                         str(m.dram_dir)], capture_output=True, text=True)
     assert r.returncode == 0 and " 0 errors" in r.stdout, r.stdout + r.stderr
@@ -642,41 +609,75 @@ def test_corrupt_packed_copy_is_eio(mount_factory):
     data = _kv_blocks(1, CHUNK)[0]
     _write_durably(m.path / "c", data)
     assert _packed(m, ["c"]) == 1
-    slot = _live_slot(m, "c")
-    with open(m.dram_dir / "arena", "r+b") as f:
-        f.seek(slot * CHUNK + 100)
-        byte = f.read(1)
-        f.seek(slot * CHUNK + 100)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    _flip_byte(_dram_file(m, "c"), 100)
     with pytest.raises(OSError) as ei:
         (m.path / "c").read_bytes()
     assert ei.value.errno == errno.EIO
     assert m.status()["reads"]["checksum_errors"] >= 1
 
 
-def test_format_1_store_is_marked_2_only_by_dram_compress(mount_factory):
-    """Format 2 only adds the PACKED flag: format-1 stores mount as they are, and are marked
-    format 2 (which an older kvfs refuses) when a mount may pack."""
-    from kvfs.store.meta import MetaStore
+def _to_arena_layout(m, format_version: int) -> None:
+    """Rewrite an unmounted store's DRAM tier in the layout of formats 1-2 (docs/FORMAT.md
+    of those versions): every DRAM copy in a slot of one `arena` file, lmdb naming the slot."""
+    import struct
 
-    m = mount_factory()
-    data = _kv_blocks(1, CHUNK)[0]
-    _write_durably(m.path / "a", data)
-    m.unmount()
+    from kvfs.store.chunkstore import _LOC, PACKED
+    from kvfs.store.meta import MetaStore, from_key2
+
     meta = MetaStore(str(m.nvme_dir / "meta"))
-    with meta.env.begin(write=True, db=meta.db["super"]) as txn:
-        sb = json.loads(txn.get(b"superblock"))
-        sb["format"] = 1
-        txn.put(b"superblock", json.dumps(sb).encode())
-    meta.close()
+    files = m.dram_dir / "files"
+    slot = 0
+    try:
+        with meta.env.begin(write=True) as txn, open(m.dram_dir / "arena", "wb") as arena:
+            arena.truncate(64 * CHUNK)
+            cur = txn.cursor(db=meta.db["chunks"])
+            for k, v in list(cur):
+                loc = list(_LOC.unpack(v))
+                if loc[0] < 0:
+                    continue
+                ino, c = from_key2(k)
+                length = loc[5] if loc[7] & PACKED else loc[4]
+                with open(files / f"{ino:x}", "rb") as f:
+                    data = os.pread(f.fileno(), length, c * CHUNK)
+                arena.seek(slot * CHUNK)
+                arena.write(data)
+                loc[0] = slot
+                slot += 1
+                txn.put(k, _LOC.pack(*loc), db=meta.db["chunks"])
+            sb = json.loads(txn.get(b"superblock", db=meta.db["super"]))
+            sb["format"] = format_version
+            txn.put(b"superblock", json.dumps(sb).encode(), db=meta.db["super"])
+        assert slot > 0 and struct.calcsize("<q") == 8
+    finally:
+        meta.close()
+    for name in os.listdir(files):
+        os.unlink(files / name)
+
+
+@pytest.mark.parametrize("old_format", [1, 2])
+def test_an_arena_store_moves_to_dram_files_at_mount(mount_factory, old_format):
+    """A store of formats 1-2 keeps its DRAM copies in one arena file: the first mount of
+    this version copies each into its inode's DRAM file and marks the store format 3, so
+    nothing is lost, dirty chunks included (a crash before the mark copies them again)."""
+    m = mount_factory(dram_compress="1" if old_format == 2 else "0")
+    durable = {f"k{i}": b for i, b in enumerate(_kv_blocks(3, 2 * CHUNK))}
+    for name, data in durable.items():
+        _write_durably(m.path / name, data)  # clean copies (packed under format 2)
+    dirty = _fill(m, "d", 3, CHUNK + 1000)  # only in DRAM
+    m.kill()
+    _to_arena_layout(m, old_format)
     m.start()
-    assert (m.path / "a").read_bytes() == data
+    assert _superblock_format(m) == 3
+    assert not (m.dram_dir / "arena").exists()
+    _check(m, {**durable, **dirty})
+    assert all(m.tiers(n) == {"dram"} for n in dirty)
     m.unmount()
-    assert _superblock_format(m) == 1
-    m.start(dram_compress="1")
-    assert (m.path / "a").read_bytes() == data
-    m.unmount()
-    assert _superblock_format(m) == 2
+    r = subprocess.run([sys.executable, "-m", "kvfs.cli.fsck", str(m.nvme_dir), "--dram-dir",
+                        str(m.dram_dir)], capture_output=True, text=True)
+    assert r.returncode == 0 and " 0 errors" in r.stdout, r.stdout + r.stderr
+    shutil.rmtree(m.dram_dir)  # a reboot: what was made durable before is still there
+    m.start()
+    _check(m, durable)
 
 
 def test_packed_copy_outlives_its_missing_segment(mount_factory):

@@ -1,181 +1,146 @@
-"""The DRAM arena's slot bookkeeping when freed slots' pages are punched in a worker thread
-(DramArena.defer_punches): a queued slot is not handed out before its punch, the RAM count
-drops once the punch is done, and nothing queued is forgotten."""
+"""The DRAM tier's files (kvfs/store/dram.py) on a real tmpfs, without a mount: regions,
+punching and disposal, pins, held descriptors, and what a mount adopts after a crash."""
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
-import subprocess
 import uuid
 
 import pytest
 
-from kvfs.store.dram import DramArena
+from kvfs.store.dram import DramFiles
 
 CS = 64 << 10
 
 
 @pytest.fixture
-def arena():
+def dram():
     directory = f"/dev/shm/kvfs-test-dram-{uuid.uuid4().hex[:8]}"
-    a = DramArena(directory, "test", CS, 4 * CS, prefault=False)
-    a.adopt({})
-    yield a
-    a.close()
+    d = DramFiles(directory, "test", CS, 16 * CS)
+    d.adopt({})
+    yield d
+    d.close()
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def fill(a: DramArena, n: int) -> list[int]:
-    slots = []
-    for i in range(n):
-        s = a.alloc(CS)
-        a.write(s, 0, bytes([i + 1]) * CS)
-        slots.append(s)
-    return slots
+def put(d: DramFiles, ino: int, c: int, fill: int, n: int = CS) -> None:
+    d.claim(ino, c)
+    d.write(ino, c, 0, bytes([fill]) * n)
 
 
-def test_a_deferred_punch_holds_the_slot_until_done(arena):
+def ram(d: DramFiles, ino: int) -> int:
+    return os.stat(d.path(ino)).st_blocks * 512
+
+
+def test_chunks_sit_at_their_own_offsets(dram):
+    put(dram, 7, 0, 1)
+    put(dram, 7, 2, 3, 1000)
+    with open(dram.path(7), "rb") as f:
+        data = f.read()
+    assert data == bytes([1]) * CS + bytes(CS) + bytes([3]) * 1000  # a hole reads as zeros
+    assert ram(dram, 7) == CS + 4096  # holes cost nothing
+
+
+def test_a_released_region_is_punched_after_settle(dram):
+    put(dram, 7, 0, 1)
+    put(dram, 7, 1, 2)
+    dram.release(7, 0, CS)
+    assert ram(dram, 7) == 2 * CS  # nothing happens before the commit settles
+    dram.settle()
+    assert ram(dram, 7) == CS
+    with open(dram.path(7), "rb") as f:
+        assert f.read(CS) == bytes(CS)
+
+
+def test_a_file_with_nothing_left_goes_to_a_worker(dram):
     queued = []
-    arena.defer_punches = True
-    arena.on_punch_queued = lambda: queued.append(1)
-    slots = fill(arena, 8)  # 8 chunks in a 4-chunk budget: over it
-    before = arena.resident
-    free_before = arena.free_slots
-    arena.free(slots[0], CS)
-    assert queued and arena.pending_punches == 1
-    assert arena.free_slots == free_before + 1  # counted as free: alloc could take it
-    assert arena.resident == before  # the pages are still there
-    batch = arena.take_punches()
-    assert batch[0][0] == slots[0]
-    arena.punched(batch, arena.punch_many(batch))
-    assert arena.resident == before - CS
-    assert arena.pending_punches == 0
-    assert bytes(arena.slot_view(slots[0], 16)) == bytes(16)  # the pages are gone
+    dram.on_disposal_queued = lambda: queued.append(1)
+    put(dram, 7, 0, 1)
+    dram.release(7, 0, CS)
+    dram.settle()
+    assert not os.path.exists(dram.path(7)) and queued
+    batch = dram.take_disposals()
+    assert len(batch) == 1 and os.path.exists(batch[0][0])  # renamed into the trash
+    dram.dispose_many(batch)
+    assert os.listdir(dram.trash_dir) == []
+    put(dram, 7, 0, 9)  # the inode gets a new, empty file
+    with open(dram.path(7), "rb") as f:
+        assert f.read() == bytes([9]) * CS
 
 
-def test_alloc_punches_a_queued_slot_itself_when_nothing_else_is_free(arena):
-    arena.defer_punches = True
-    slots = fill(arena, arena.nslots)
-    assert arena.free_slots == 0
-    arena.free(slots[3], CS)
-    assert arena.pending_punches == 1
-    again = arena.alloc(CS)
-    assert again == slots[3] and arena.pending_punches == 0
-    assert bytes(arena.slot_view(again, 16)) == bytes(16)
+def test_a_pinned_file_stays_until_unpinned(dram):
+    put(dram, 7, 0, 1)
+    dram.pin(7)
+    dram.release(7, 0, CS)
+    dram.settle()
+    assert os.path.exists(dram.path(7))  # the kernel may be reading it
+    dram.unpin(7)
+    assert not os.path.exists(dram.path(7))
 
 
-def test_close_finishes_the_queued_punches():
+def test_a_held_descriptor_outlives_disposal(dram):
+    put(dram, 7, 0, 5)
+    held = dram.hold(7)
+    dram.release(7, 0, CS)
+    dram.settle()
+    dram.dispose_many(dram.take_disposals())  # unlinked, not closed: a worker still reads
+    buf = bytearray(16)
+    dram.read_region(held.fd, 0, buf)
+    assert buf == bytes([5]) * 16
+    dram.drop(held)
+    batch = dram.take_disposals()
+    assert batch == [("", held.fd)]
+    dram.dispose_many(batch)
+    with pytest.raises(OSError):
+        os.fstat(held.fd)
+
+
+def test_extend_and_truncate_keep_the_file_as_long_as_asked(dram):
+    put(dram, 7, 0, 1, 100)
+    dram.extend(7, 3 * CS)
+    assert os.path.getsize(dram.path(7)) == 3 * CS
+    dram.truncate(7, 50)
+    with open(dram.path(7), "rb") as f:
+        assert f.read() == bytes([1]) * 50
+    dram.truncate(8, 0)  # no file: nothing to do, nothing created
+    assert not os.path.exists(dram.path(8))
+
+
+def test_descriptors_are_bounded(dram, monkeypatch):
+    monkeypatch.setattr("kvfs.store.dram.OPEN_FILES", 8)
+    held = dram.hold(1)
+    for ino in range(1, 40):
+        put(dram, ino, 0, ino % 250, 4096)
+    assert dram.open_files <= 9
+    assert dram.fd(1) == held.fd  # held files are never closed under their holder
+    dram.drop(held)
+
+
+def test_adopt_keeps_owned_regions_and_clears_the_rest():
+    """After a crash: a fetch's bytes never committed, a file nothing owns, a region longer
+    than its chunk now is, a file longer than its last chunk."""
     directory = f"/dev/shm/kvfs-test-dram-{uuid.uuid4().hex[:8]}"
-    a = DramArena(directory, "test", CS, 4 * CS, prefault=False)
-    a.adopt({})
     try:
-        a.defer_punches = True
-        slots = fill(a, 8)
-        for s in slots[:4]:
-            a.free(s, CS)
-        assert a.pending_punches == 4
-        a.close()
-        assert a.pending_punches == 0 and a.resident == 4 * CS
+        d = DramFiles(directory, "fs", CS, 16 * CS)
+        d.adopt({})
+        put(d, 5, 0, 1)
+        put(d, 5, 1, 2)  # not in lmdb: gone at the next mount
+        put(d, 5, 3, 4)
+        put(d, 6, 0, 6)  # a file nobody owns
+        d.close()
+        d = DramFiles(directory, "fs", CS, 16 * CS)
+        assert d.survived
+        d.adopt({5: [(0, 1000), (3, CS)]})
+        with open(d.path(5), "rb") as f:
+            data = f.read()
+        assert data[:1000] == bytes([1]) * 1000 and data[1000:3 * CS] == bytes(3 * CS - 1000)
+        assert data[3 * CS:] == bytes([4]) * CS and len(data) == 4 * CS
+        assert not os.path.exists(d.path(6))
+        assert d.claims == {5: 2}
+        d.close()
+        d = DramFiles(directory, "another fs", CS, 16 * CS)  # not ours: starts empty
+        assert not d.survived and os.listdir(d.files_dir) == []
+        d.close()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def test_without_deferral_a_free_punches_at_once(arena):
-    slots = fill(arena, 8)
-    before = arena.resident
-    arena.free(slots[0], CS)
-    assert arena.pending_punches == 0 and arena.resident == before - CS
-
-
-@pytest.fixture
-def reserved():
-    """An arena with prefault on (the daemon's default), its slots not populated yet."""
-    directory = f"/dev/shm/kvfs-test-dram-{uuid.uuid4().hex[:8]}"
-    a = DramArena(directory, "test", CS, 4 * CS)
-    a.adopt({})
-    yield a
-    a.close()
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-def prefault(a: DramArena) -> list[int]:
-    """What ChunkStore.prefault_dram does, on this thread."""
-    slots = a.to_prefault(a.capacity)
-    a.fill(slots)
-    a.prefaulted(slots)
-    return slots
-
-
-def test_prefaulted_slots_hold_their_pages_and_stay_zero_filled(reserved):
-    before = os.stat(reserved.path).st_blocks
-    slots = prefault(reserved)  # each page faulted in, as a write would
-    assert len(slots) == 4
-    assert os.stat(reserved.path).st_blocks - before == 4 * CS // 512
-    assert reserved.resident == reserved.warm_bytes == 4 * CS
-    s = reserved.alloc(CS)
-    assert s in slots and bytes(reserved.slot_view(s, CS)) == bytes(CS)
-
-
-def test_small_chunks_in_prefaulted_slots_keep_the_arena_within_its_capacity(reserved):
-    """Prefaulted slots hold whole chunks' pages; quarter-size chunks in them leave tails
-    nobody reads. When more chunks come than prefaulted slots, those tails are trimmed so
-    the arena's RAM stays within its capacity, and no chunk loses a byte."""
-    a = reserved
-    prefault(a)
-    quarter = CS // 4
-    owned = []
-    for i in range(12):  # 12 x CS/4 = 3 x CS of data in a 4 x CS arena
-        s = a.alloc(quarter)
-        a.write(s, 0, bytes([i + 1]) * quarter)
-        owned.append(s)
-        assert a.resident <= a.capacity
-        assert os.stat(a.path).st_blocks * 512 == a.resident
-    assert a.trimmed >= 3
-    for i, s in enumerate(owned):
-        assert bytes(a.slot_view(s, quarter)) == bytes([i + 1]) * quarter
-    s = owned[0]  # an owner that grows its chunk in place gets its pages counted
-    a.grow(s, CS)
-    a.slot_view(s, CS)[quarter:] = b"x" * (CS - quarter)
-    assert os.stat(a.path).st_blocks * 512 == a.resident
-
-
-def test_prefault_falls_back_to_fallocate_on_kernels_without_populate_write(reserved,
-                                                                           monkeypatch):
-    import kvfs.store.dram as dram
-
-    def no_populate(address, length):
-        raise OSError(errno.EINVAL, "Invalid argument")
-
-    monkeypatch.setattr(dram, "populate_write", no_populate)
-    prefault(reserved)
-    assert not reserved._populate_by_madvise
-    assert os.stat(reserved.path).st_blocks * 512 == reserved.resident == 4 * CS
-
-
-def test_prefault_into_a_full_tmpfs_is_an_error_not_a_crash(tmp_path):
-    """MADV_POPULATE_WRITE reports a full tmpfs as EFAULT (no SIGBUS); the slots go back
-    empty, and nothing counts pages the arena does not hold."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        a = DramArena(str(mnt / "arena"), "test", 1 << 20, 4 << 20)
-        a.adopt({})
-        slots = a.to_prefault(4 << 20)
-        with pytest.raises(OSError):
-            a.fill(slots)
-        a.prefaulted(slots, ok=False)
-        assert a.resident == 0 and os.stat(a.path).st_blocks == 0
-        # a decode into a slot asks for its pages first: a full tmpfs is a False, not SIGBUS
-        s, start = a.alloc_unfaulted(512 << 10)
-        assert start == 0 and a.ensure_pages(s, start, 512 << 10)
-        with open(mnt / "filler", "wb") as f:  # someone else fills the tmpfs
-            with pytest.raises(OSError):
-                f.write(bytes(1 << 20))
-        assert not a.ensure_pages(*a.alloc_unfaulted(512 << 10), 512 << 10)
-        a.close()
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
