@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvfs import _huff, _shuffle
 from kvfs.store.codec import (
@@ -465,6 +466,33 @@ def test_old_payloads_still_decode() -> None:
                 codec.decode(CODEC_HUF2, payload, len(raw))
 
 
+# xxh3-64 of payloads the Huffman codecs wrote before their decoder was rewritten (kvfs
+# cd039a2): the encoder's output must not change, and such records must still decode. Only
+# raw and Huffman planes (modes 0 and 3), so zstd's version does not matter.
+HUF_PINNED = {
+    "fp16": (CODEC_HUF2, 258163, 0x5C0554BC21A1303A),
+    "bf16": (CODEC_HUF2_ROT1, 177327, 0x661E075F1D50009C),
+    "fp32": (CODEC_HUF4, 195731, 0x7090BD0B44B2259D),
+}
+
+
+def test_huf_payloads_pinned(fp16: bytes, bf16: bytes) -> None:
+    at = 6 << 20
+    f32 = np.frombuffer(fp16[at : at + 128 * KIB], np.float16).astype(np.float32)
+    raws = {
+        "fp16": fp16[at : at + 300_001],
+        "bf16": bf16[at : at + 256 * KIB],
+        "fp32": (f32 * np.float32(1.0001)).tobytes(),
+    }
+    codec = Codec()
+    for name, (cid, size, digest) in HUF_PINNED.items():
+        raw = raws[name]
+        used, payload = codec.encode(raw, cid)
+        assert (used, len(payload)) == (cid, size)
+        assert xxhash.xxh3_64_intdigest(payload) == digest
+        assert bytes(codec.decode(cid, payload, len(raw))) == raw
+
+
 @pytest.mark.parametrize("cid", ALL_CODECS)
 def test_decode_into(codec: Codec, fp16: bytes, bf16: bytes, cid: int) -> None:
     for raw in (fp16[: 256 * KIB + 1], bf16[100_000:165_537], bytes(4097), b"\x01"):
@@ -592,6 +620,25 @@ def test_huff_encode2_decode2(fp16: bytes, rot: int, length: int) -> None:
     _huff.decode2(memoryview(dst)[:ln], lo, out, scratch, rot, 10)
     assert bytes(out[: 2 * n]) == src[: 2 * n]
     assert out[2 * n :] == b"\xaa" * (length - 2 * n)
+
+
+def test_huff_many_small_planes() -> None:
+    """Planes of every small size and skew: the fast loop's batches end anywhere in a stream,
+    and short streams take the careful path only."""
+    rng = np.random.default_rng(11)
+    for trial in range(400):
+        n = int(rng.integers(0, 5000))
+        p = float(rng.choice([0.02, 0.1, 0.3, 0.6]))
+        plane = rng.geometric(p, n).clip(0, 255).astype(np.uint8)
+        if trial % 3 == 0:
+            plane = (plane * 37).astype(np.uint8)  # spread symbols apart
+        plane = plane.tobytes()
+        bits = int(rng.choice([8, 11, 12]))
+        dst = bytearray(_huff.plane_bound(n, 10))
+        ln = _huff.encode_plane(plane, dst, 10, bits, 0)
+        back = bytearray(n)
+        _huff.decode_plane(memoryview(dst)[:ln], back, 10)
+        assert back == plane
 
 
 def test_huff_bad_arguments() -> None:
