@@ -454,47 +454,38 @@ static inline ptrdiff_t kvh_encode_plane(const uint8_t *src, size_t n, size_t se
 
 /* ------------------------------------------------------------------ decoder */
 
-/* Decode tables. sym/len, indexed by the next `log` bits of a stream (log = max(maxlen, 11)):
- * the first symbol and its code length; the careful tail loop uses them. sy2/nb2/ns2, indexed by
- * the next `wlog` bits: one or two symbols (ns2 of them) whose codes both fit in that window, and
- * their total length. For long codes the window is a bit wider than the codes (KVH_MAX_LOG): far
- * more pairs fit (fp16 KV exponents, ~6.4-bit codes: 1.18 symbols per lookup at 11 bits, 1.69 at
- * 12), worth its cost (a table twice the size to build, 4 lookups per refill instead of 5); short
- * codes (bf16 exponents, ~3 bits) pair up at 11 bits already. Separate arrays rather than packed
- * entries: no unpacking instructions in the hot loop. */
+/* Decode tables.
+ * two[x], x = the next `wlog` bits of a stream: 4 bytes, the first symbol, the second (0 unless
+ *   its code also lies inside the window), their total code length, their number (1 or 2). The
+ *   fast loop stores all 4 bytes and advances by that number: the bytes past it are overwritten
+ *   later. nb[x] is the total length again, a byte of its own so that the shift of the bit
+ *   buffer, the loop's dependency chain, does not wait for it to be unpacked.
+ * one[x], x = the next `log` bits (log = max(maxlen, 11)): 0, the first symbol, its length, 1;
+ *   for the careful tail loop and to build two.
+ * For long codes the window is a bit wider than the codes (KVH_MAX_LOG): more pairs fit (fp16
+ * KV exponents, ~5.7-bit codes: 1.54 symbols per lookup at 11 bits, 1.71 at 12), worth 4
+ * lookups per refill instead of 5; short codes (bf16 exponents, ~3 bits) pair up at 11 bits. */
 typedef struct {
-    uint8_t sym[1 << KVH_MAX_LOG];
-    uint8_t len[1 << KVH_MAX_LOG];
-    uint16_t sy2[1 << KVH_MAX_LOG];
-    uint8_t nb2[1 << KVH_MAX_LOG];
-    uint8_t ns2[1 << KVH_MAX_LOG];
-    int log;  /* bits indexing sym/len */
-    int wlog; /* bits indexing sy2/nb2/ns2: log, or KVH_MAX_LOG for long codes */
+    uint32_t two[1 << KVH_MAX_LOG];
+    uint8_t nb[1 << KVH_MAX_LOG];
+    uint32_t one[1 << KVH_MAX_LOG];
+    int log;  /* bits indexing one */
+    int wlog; /* bits indexing two: log, or KVH_MAX_LOG for long codes */
 } kvh_dtable;
 
-/* Fill the pair tables from sym/len: the first code is in the low `log` bits of the window, the
- * second is the one the bits after it start with; it counts only if it lies entirely inside the
- * wlog-bit window. */
-static inline void kvh_build_pairs(kvh_dtable *dt)
-{
-    const unsigned W = (unsigned)dt->wlog, low = (1u << dt->log) - 1;
-    unsigned x;
-    for (x = 0; x < (1u << W); x++) {
-        unsigned x1 = x & low, l1 = dt->len[x1], r = (x >> l1) & low, l2 = dt->len[r];
-        int two = l1 + l2 <= W;
-        dt->sy2[x] = (uint16_t)(dt->sym[x1] | (dt->sym[r] << 8));
-        dt->nb2[x] = (uint8_t)(two ? l1 + l2 : l1);
-        dt->ns2[x] = (uint8_t)(1 + two);
-    }
-}
+#define KVH_E_SYM(e) (((e) >> 8) & 0xffu)
+#define KVH_E_LEN(e) (((e) >> 16) & 0xffu)
 
-/* Parse a HUF segment's code description at p (avail bytes). Returns bytes used or -1. */
+/* Parse a HUF segment's code description at p (avail bytes) and build the tables. Returns bytes
+ * used or -1. */
 static inline ptrdiff_t kvh_read_table(const uint8_t *p, size_t avail, kvh_dtable *dt)
 {
     uint8_t len[256];
-    uint32_t count[KVH_MAX_LOG + 1] = {0}, next[KVH_MAX_LOG + 1];
+    uint32_t count[KVH_MAX_LOG + 1] = {0}, next[KVH_MAX_LOG + 1], rev[256];
+    /* part[2^w + y], y < 2^w: one[y] if its code fits in w bits, else 0 */
+    uint32_t part[1 << KVH_MAX_LOG];
     uint32_t code = 0, kraft = 0;
-    int maxlen, first, last, s, l, used = 0, tlog;
+    int maxlen, first, last, s, l, used = 0, tlog, wlog;
     size_t nb;
 
     if (avail < 3) return -1;
@@ -526,15 +517,14 @@ static inline ptrdiff_t kvh_read_table(const uint8_t *p, size_t avail, kvh_dtabl
      * KVH_DEFAULT_LOG bits wide so that the fast loop can use a constant mask */
     tlog = maxlen < KVH_DEFAULT_LOG ? KVH_DEFAULT_LOG : maxlen;
     for (s = first; s <= last; s++) {
-        uint32_t r, step, k;
+        uint32_t r, step, k, e;
         l = len[s];
         if (!l) continue;
         r = kvh_reverse(next[l]++, l);
+        rev[s] = r;
         step = 1u << l;
-        for (k = r; k < (1u << tlog); k += step) {
-            dt->sym[k] = (uint8_t)s;
-            dt->len[k] = (uint8_t)l;
-        }
+        e = (uint32_t)s << 8 | (uint32_t)l << 16 | 1u << 24;
+        for (k = r; k < (1u << tlog); k += step) dt->one[k] = e;
     }
     dt->log = tlog;
     /* expected code length if symbol probabilities were 2^-len: sum count[l] * l * 2^-l, in
@@ -542,7 +532,36 @@ static inline ptrdiff_t kvh_read_table(const uint8_t *p, size_t avail, kvh_dtabl
     {
         uint64_t e = 0;
         for (l = 1; l <= maxlen; l++) e += (uint64_t)count[l] * (uint64_t)l << (maxlen - l);
-        dt->wlog = tlog == KVH_MAX_LOG || e > (uint64_t)5 << maxlen ? KVH_MAX_LOG : tlog;
+        wlog = tlog == KVH_MAX_LOG || e > (uint64_t)5 << maxlen ? KVH_MAX_LOG : tlog;
+        dt->wlog = wlog;
+    }
+    /* two[r | y << l] for the code r of length l: its symbol plus the code y starts with if
+     * that fits in the w = wlog - l bits left, i.e. part[2^w + y] added to a one-symbol entry
+     * (the second symbol and its length land in bytes 1 and 2, the counts add up to 2). The
+     * codes tile the window, so every entry is written; by first code, not by entry, as this
+     * costs a load, an add and a store per entry. */
+    for (l = 1; l <= maxlen; l++) {
+        uint32_t w = (uint32_t)(wlog - l), y, *pw = part + (1u << w);
+        if (!count[l]) continue;
+        for (y = 0; y < (1u << w); y++) {
+            uint32_t e = dt->one[y];
+            pw[y] = KVH_E_LEN(e) <= w ? e : 0;
+        }
+    }
+    for (s = first; s <= last; s++) {
+        uint32_t w, y, r, base;
+        const uint32_t *pw;
+        l = len[s];
+        if (!l) continue;
+        w = (uint32_t)(wlog - l);
+        pw = part + (1u << w);
+        r = rev[s];
+        base = (uint32_t)s | (uint32_t)l << 16 | 1u << 24;
+        for (y = 0; y < (1u << w); y++) {
+            uint32_t e = base + pw[y];
+            dt->two[r | y << l] = e;
+            dt->nb[r | y << l] = (uint8_t)(e >> 16);
+        }
     }
     return (ptrdiff_t)(3 + nb);
 }
@@ -564,23 +583,91 @@ static inline int kvh_decode_tail(const kvh_dtable *dt, const uint8_t *s, size_t
     const uint64_t mask = (1u << dt->log) - 1;
     size_t i, pos = *bp;
     for (i = 0; i < m; i++) {
-        size_t k = (size_t)(kvh_peek_safe(s, sl, pos) & mask);
-        o[i] = dt->sym[k];
-        pos += dt->len[k];
+        uint32_t e = dt->one[kvh_peek_safe(s, sl, pos) & mask];
+        o[i] = (uint8_t)KVH_E_SYM(e);
+        pos += KVH_E_LEN(e);
         if (pos > 8 * sl) return -1;
     }
     *bp = pos;
     return 0;
 }
 
+/* The state of a segment's 4 streams: p[j], the next bit of stream j counted from the start of
+ * the segment's data (one base register for all 4); lim[j], the last p at which 8 bytes can be
+ * loaded from there inside the stream; o[j] and oe[j], the next output byte and the end of its
+ * quarter. */
+typedef struct {
+    size_t p[4], lim[4];
+    uint8_t *o[4], *oe[4];
+} kvh_streams;
+
+/* The fast loop, K lookups of W bits per stream and round: one 64-bit load (>= 57 bits valid)
+ * per stream feeds K <= 57 / W lookups, each storing the 4 bytes of its entry and advancing by 1
+ * or 2 symbols. Rounds run in batches that no stream can overrun (its 8-byte loads stay inside
+ * it, its stores inside its quarter), so the loop itself has no checks; the streams are
+ * interleaved lookup by lookup, so that independent work sits close together in program order.
+ * State in locals, which the byte stores cannot alias. */
+#define KVH_FAST(K, W, LOW) \
+    do { \
+        for (;;) { \
+            ptrdiff_t k_ = PTRDIFF_MAX; \
+            int j_; \
+            for (j_ = 0; j_ < 4; j_++) { \
+                ptrdiff_t ri_ = (ptrdiff_t)st->lim[j_] - (ptrdiff_t)st->p[j_]; \
+                ptrdiff_t ro_ = (st->oe[j_] - st->o[j_]) - (2 * (K) + 2), t_; \
+                if (ri_ < 0 || ro_ < 0) return; \
+                t_ = ri_ / ((K) * (W)); \
+                if (ro_ / (2 * (K)) < t_) t_ = ro_ / (2 * (K)); \
+                if (t_ + 1 < k_) k_ = t_ + 1; \
+            } \
+            { \
+                size_t p0 = st->p[0], p1 = st->p[1], p2 = st->p[2], p3 = st->p[3]; \
+                uint8_t *o0 = st->o[0], *o1 = st->o[1], *o2 = st->o[2], *o3 = st->o[3]; \
+                do { \
+                    uint64_t b0 = kvh_load64(src + (p0 >> 3)) >> (p0 & 7); \
+                    uint64_t b1 = kvh_load64(src + (p1 >> 3)) >> (p1 & 7); \
+                    uint64_t b2 = kvh_load64(src + (p2 >> 3)) >> (p2 & 7); \
+                    uint64_t b3 = kvh_load64(src + (p3 >> 3)) >> (p3 & 7); \
+                    int r_; \
+                    for (r_ = 0; r_ < (K); r_++) { \
+                        KVH_LOOKUP(b0, p0, o0, W, LOW); \
+                        KVH_LOOKUP(b1, p1, o1, W, LOW); \
+                        KVH_LOOKUP(b2, p2, o2, W, LOW); \
+                        KVH_LOOKUP(b3, p3, o3, W, LOW); \
+                    } \
+                } while (--k_); \
+                st->p[0] = p0; st->p[1] = p1; st->p[2] = p2; st->p[3] = p3; \
+                st->o[0] = o0; st->o[1] = o1; st->o[2] = o2; st->o[3] = o3; \
+            } \
+        } \
+    } while (0)
+#define KVH_LOOKUP(b, pos, out, W, LOW) \
+    do { \
+        size_t x_ = (size_t)LOW((b), (W)); \
+        unsigned n_ = tn[x_]; \
+        uint32_t e_ = t2[x_]; \
+        kvh_store32((out), e_); \
+        (out) += e_ >> 24; \
+        (b) >>= n_; \
+        (pos) += n_; \
+    } while (0)
+#define KVH_AND(b, W) ((b) & ((1u << (W)) - 1))
+
+static void kvh_rounds(const uint8_t *src, const kvh_dtable *dt, kvh_streams *st)
+{
+    const uint32_t *t2 = dt->two;
+    const uint8_t *tn = dt->nb;
+    if (dt->wlog == KVH_DEFAULT_LOG) KVH_FAST(5, KVH_DEFAULT_LOG, KVH_AND);
+    else KVH_FAST(4, KVH_MAX_LOG, KVH_AND);
+}
+
 static inline int kvh_decode_huf(const uint8_t *src, size_t len, uint8_t *dst, size_t m)
 {
     kvh_dtable dt;
+    kvh_streams st;
     ptrdiff_t tl = kvh_read_table(src, len, &dt);
-    const uint8_t *s[4];
-    size_t sl[4], bp[4] = {0, 0, 0, 0}, qn[4], q = m / 4, pos, rest;
-    uint8_t *o[4];
-    int j;
+    size_t sl[4], start[4], qn[4], q = m / 4, pos, rest;
+    int j, fast = 1;
 
     if (tl < 0) return KVH_ERR_CORRUPT;
     pos = (size_t)tl;
@@ -596,84 +683,27 @@ static inline int kvh_decode_huf(const uint8_t *src, size_t len, uint8_t *dst, s
     qn[0] = qn[1] = qn[2] = q;
     qn[3] = m - 3 * q;
     for (j = 0; j < 4; j++) {
-        s[j] = src + pos;
+        start[j] = pos;
+        st.p[j] = pos * 8;
         pos += sl[j];
-        o[j] = dst + j * q;
+        st.lim[j] = sl[j] < 8 ? 0 : (pos - 8) * 8;
+        fast &= sl[j] >= 8;
+        st.o[j] = dst + j * q;
+        st.oe[j] = st.o[j] + qn[j];
     }
-    {
-        /* fast loop: 4 lookups (<= 48 bits) per stream from one 64-bit load (>= 57 bits
-         * valid), each emitting 1 or 2 symbols (a 2-byte store, advancing by the count);
-         * state in locals, which the byte stores cannot alias */
-        const uint16_t *ty = dt.sy2;
-        const uint8_t *tb = dt.nb2, *tn = dt.ns2;
-        const uint8_t *s0 = s[0], *s1 = s[1], *s2 = s[2], *s3 = s[3];
-        size_t p0 = 0, p1 = 0, p2 = 0, p3 = 0;
-        /* (pos >> 3) + 8 <= sl holds while pos <= (sl - 8) * 8 */
-        const size_t l0 = sl[0] < 8 ? 0 : (sl[0] - 8) * 8, l1 = sl[1] < 8 ? 0 : (sl[1] - 8) * 8;
-        const size_t l2 = sl[2] < 8 ? 0 : (sl[2] - 8) * 8, l3 = sl[3] < 8 ? 0 : (sl[3] - 8) * 8;
-        uint8_t *o0 = o[0], *o1 = o[1], *o2 = o[2], *o3 = o[3];
-        /* a stream may write up to 8 bytes per round: stop 8 before the end of its quarter */
-        uint8_t *const e0 = dst + q, *const e1 = dst + 2 * q, *const e2 = dst + 3 * q;
-        uint8_t *const e3 = dst + m;
-#define KVH_PAIR(b, pos, out) \
-        do { \
-            size_t x_ = (size_t)((b) & KVH_MASK); \
-            unsigned n_ = tb[x_]; \
-            uint16_t y_ = ty[x_]; \
-            (out)[0] = (uint8_t)y_; /* one 2-byte store on little-endian machines */ \
-            (out)[1] = (uint8_t)(y_ >> 8); \
-            (out) += tn[x_]; \
-            (b) >>= n_; \
-            (pos) += n_; \
-        } while (0)
-/* the 4 streams' lookups are interleaved one by one, so that independent work sits close
- * together in program order (stream after stream, the chains would fill the scheduler) */
-#define KVH_LOAD(sp, pos) (kvh_load64((sp) + ((pos) >> 3)) >> ((pos) & 7))
-#define KVH_ROUND(k) \
-        do { \
-            uint64_t b0 = KVH_LOAD(s0, p0), b1 = KVH_LOAD(s1, p1); \
-            uint64_t b2 = KVH_LOAD(s2, p2), b3 = KVH_LOAD(s3, p3); \
-            int r_; \
-            for (r_ = 0; r_ < (k); r_++) { \
-                KVH_PAIR(b0, p0, o0); \
-                KVH_PAIR(b1, p1, o1); \
-                KVH_PAIR(b2, p2, o2); \
-                KVH_PAIR(b3, p3, o3); \
-            } \
-        } while (0)
-        kvh_build_pairs(&dt);
-        if (sl[0] >= 8 && sl[1] >= 8 && sl[2] >= 8 && sl[3] >= 8 && q >= 10) {
-            if (dt.wlog == KVH_DEFAULT_LOG) {
-                /* 5 lookups of <= 11 bits fit in the 57 valid bits: one refill per 5 */
-#define KVH_MASK ((1u << KVH_DEFAULT_LOG) - 1)
-                while (p0 <= l0 && p1 <= l1 && p2 <= l2 && p3 <= l3 && o0 + 10 <= e0 &&
-                       o1 + 10 <= e1 && o2 + 10 <= e2 && o3 + 10 <= e3)
-                    KVH_ROUND(5);
-#undef KVH_MASK
-            } else {
-                /* 4 lookups of <= 12 bits: one refill per 4 */
-#define KVH_MASK ((1u << KVH_MAX_LOG) - 1)
-                while (p0 <= l0 && p1 <= l1 && p2 <= l2 && p3 <= l3 && o0 + 8 <= e0 &&
-                       o1 + 8 <= e1 && o2 + 8 <= e2 && o3 + 8 <= e3)
-                    KVH_ROUND(4);
-#undef KVH_MASK
-            }
-        }
-#undef KVH_ROUND
-#undef KVH_LOAD
-#undef KVH_PAIR
-        bp[0] = p0; bp[1] = p1; bp[2] = p2; bp[3] = p3;
-        o[0] = o0; o[1] = o1; o[2] = o2; o[3] = o3;
-        for (j = 0; j < 4; j++) {
-            size_t done = (size_t)(o[j] - (dst + j * q));
-            if (kvh_decode_tail(&dt, s[j], sl[j], &bp[j], o[j], qn[j] - done) < 0)
-                return KVH_ERR_CORRUPT;
-            /* the stream must end exactly where its last code ends */
-            if ((bp[j] + 7) / 8 != sl[j]) return KVH_ERR_CORRUPT;
-        }
+    if (fast) kvh_rounds(src, &dt, &st);
+    for (j = 0; j < 4; j++) {
+        size_t done = (size_t)(st.o[j] - (dst + j * q)), bp = st.p[j] - 8 * start[j];
+        if (kvh_decode_tail(&dt, src + start[j], sl[j], &bp, st.o[j], qn[j] - done) < 0)
+            return KVH_ERR_CORRUPT;
+        /* the stream must end exactly where its last code ends */
+        if ((bp + 7) / 8 != sl[j]) return KVH_ERR_CORRUPT;
     }
     return 0;
 }
+#undef KVH_FAST
+#undef KVH_LOOKUP
+#undef KVH_AND
 
 /* Decode one segment (len bytes at src) into m bytes at dst. */
 static inline int kvh_decode_seg(const uint8_t *src, size_t len, uint8_t *dst, size_t m)
