@@ -29,6 +29,7 @@ cdef extern from *:
     int kvh_decode2(const uint8_t *src, size_t len, const uint8_t *lo, uint8_t *dst, size_t n,
                     int rot, uint8_t *scratch, size_t seg) nogil
     size_t kvh_estimate(const uint8_t *src, size_t m, int maxbits) nogil
+    int kvh_set_bmi2(int use) nogil
 
 MAX_LOG = KVH_MAX_LOG
 DEFAULT_LOG = KVH_DEFAULT_LOG
@@ -174,3 +175,9 @@ def estimate(const uint8_t[::1] src, int maxbits=KVH_DEFAULT_LOG) -> int:
     with nogil:
         r = kvh_estimate(&src[0], n, maxbits)
     return r
+
+
+def _use_bmi2(bint use) -> bool:
+    """Tests only: decode with the BMI2 loop (if the CPU has it; the default) or the plain one.
+    Process-wide; returns whether the BMI2 loop is in use."""
+    return bool(kvh_set_bmi2(1 if use else 0))

@@ -55,6 +55,14 @@ def codec() -> Codec:
     return Codec()
 
 
+@pytest.fixture(params=[True, False], ids=["bmi2", "plain"])
+def decode_loop(request: pytest.FixtureRequest):
+    """The Huffman decoder's fast loop in both builds (the BMI2 one only where the CPU has it)."""
+    _huff._use_bmi2(request.param)
+    yield request.param
+    _huff._use_bmi2(True)
+
+
 def roundtrip(codec: Codec, raw: bytes, cid: int) -> tuple[int, int]:
     used, payload = codec.encode(raw, cid)
     assert used in (cid, CODEC_RAW)
@@ -476,7 +484,7 @@ HUF_PINNED = {
 }
 
 
-def test_huf_payloads_pinned(fp16: bytes, bf16: bytes) -> None:
+def test_huf_payloads_pinned(fp16: bytes, bf16: bytes, decode_loop: bool) -> None:
     at = 6 << 20
     f32 = np.frombuffer(fp16[at : at + 128 * KIB], np.float16).astype(np.float32)
     raws = {
@@ -588,7 +596,7 @@ def _hplanes() -> list[bytes]:
 
 @pytest.mark.parametrize("seg_log2", [10, 16])
 @pytest.mark.parametrize("bits", [8, 11, 12])
-def test_huff_plane_roundtrip(seg_log2: int, bits: int) -> None:
+def test_huff_plane_roundtrip(seg_log2: int, bits: int, decode_loop: bool) -> None:
     for plane in _hplanes():
         dst = bytearray(_huff.plane_bound(len(plane), seg_log2))
         ln = _huff.encode_plane(plane, dst, seg_log2, bits, 0)
@@ -622,7 +630,7 @@ def test_huff_encode2_decode2(fp16: bytes, rot: int, length: int) -> None:
     assert out[2 * n :] == b"\xaa" * (length - 2 * n)
 
 
-def test_huff_many_small_planes() -> None:
+def test_huff_many_small_planes(decode_loop: bool) -> None:
     """Planes of every small size and skew: the fast loop's batches end anywhere in a stream,
     and short streams take the careful path only."""
     rng = np.random.default_rng(11)
@@ -660,7 +668,7 @@ def test_huff_bad_arguments() -> None:
         _huff.decode_plane(b"", bytearray(10), 10)
 
 
-def test_huff_decoder_survives_garbage(fp16: bytes) -> None:
+def test_huff_decoder_survives_garbage(fp16: bytes, decode_loop: bool) -> None:
     """Corrupt sections (no checksum at this level): an error or some output, never a crash and
     never a write outside the buffer (the guard bytes around the output stay intact)."""
     rng = np.random.default_rng(4)
