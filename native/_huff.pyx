@@ -27,7 +27,7 @@ cdef extern from *:
                           size_t cap, uint8_t *scratch, size_t seg, int maxbits,
                           size_t min_gain) nogil
     int kvh_decode2(const uint8_t *src, size_t len, const uint8_t *lo, uint8_t *dst, size_t n,
-                    int rot, uint8_t *scratch, size_t seg) nogil
+                    int rot, uint8_t *scratch, size_t scratch_len, size_t seg) nogil
     size_t kvh_estimate(const uint8_t *src, size_t m, int maxbits) nogil
     int kvh_set_bmi2(int use) nogil
 
@@ -145,7 +145,9 @@ def encode2(const uint8_t[::1] src, uint8_t[::1] lo, uint8_t[::1] dst, uint8_t[:
 def decode2(const uint8_t[::1] src, const uint8_t[::1] lo, uint8_t[::1] dst,
             uint8_t[::1] scratch, int rot, int seg_log2) -> None:
     """Inverse of encode2: decode the high-plane section src and join it with lo[:n] into
-    dst[:2n], n = len(dst) // 2 (an odd last byte of dst is not written). HuffError if corrupt."""
+    dst[:2n], n = len(dst) // 2 (an odd last byte of dst is not written). HuffError if corrupt.
+    scratch needs 2**seg_log2 bytes; with twice that (and rot 0 or 1) each segment's join
+    overlaps the decoding of the next one."""
     cdef size_t seg = _seg(seg_log2)
     cdef size_t n = <size_t>dst.shape[0] // 2
     cdef size_t ln = <size_t>src.shape[0]
@@ -161,7 +163,8 @@ def decode2(const uint8_t[::1] src, const uint8_t[::1] lo, uint8_t[::1] dst,
             raise HuffError("decode2: section for an empty plane is not empty")
         return
     with nogil:
-        r = kvh_decode2(sp, ln, &lo[0], &dst[0], n, rot, &scratch[0], seg)
+        r = kvh_decode2(sp, ln, &lo[0], &dst[0], n, rot, &scratch[0],
+                        <size_t>scratch.shape[0], seg)
     _check(r, "decode2")
 
 

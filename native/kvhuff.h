@@ -601,14 +601,47 @@ typedef struct {
     uint8_t *o[4], *oe[4];
 } kvh_streams;
 
+/* The join of the previous segment (its high plane with the low plane, into the output), done
+ * a few elements per fast-loop round while this segment decodes: its memory traffic (the low
+ * plane read, the output written with non-temporal stores) then overlaps the decoding, where it
+ * took ~20% of decode2's time on its own. The rounds join elements [next, end) in steps, the
+ * caller the rest; dst + 2 * next is 16-byte aligned. */
+typedef struct {
+    const uint8_t *lo, *hi;
+    uint8_t *dst;
+    size_t next, end;
+} kvh_job;
+
+#if KVS_SSE2
+/* A round's share of the job: 16 * (K - 2) elements (64 or 96 output bytes), so that it is done
+ * before the segment's rounds are (a round decodes ~27 fp16 or ~40 bf16 symbols). */
+#define KVH_JOIN_STEP(K, JROT) \
+    do { \
+        if ((JROT) >= 0 && jn_ + 16 * ((K) - 2) <= je_) { \
+            int s_; \
+            for (s_ = 0; s_ < (K) - 2; s_++) \
+                kvs_join16_nt(jlo_, jhi_, jdst_, jn_ + 16 * (size_t)s_, (JROT), jz_, jz_); \
+            jn_ += 16 * ((K) - 2); \
+        } \
+    } while (0)
+#else
+#define KVH_JOIN_STEP(K, JROT) do { } while (0)
+#endif
+
 /* The fast loop, K lookups of W bits per stream and round: one 64-bit load (>= 57 bits valid)
  * per stream feeds K <= 57 / W lookups, each storing the 4 bytes of its entry and advancing by 1
  * or 2 symbols. Rounds run in batches that no stream can overrun (its 8-byte loads stay inside
  * it, its stores inside its quarter), so the loop itself has no checks; the streams are
  * interleaved lookup by lookup, so that independent work sits close together in program order.
- * State in locals, which the byte stores cannot alias. */
-#define KVH_FAST(K, W, LOW) \
+ * Each round first does its share of the job (JROT its rotation, -1 no job). State in locals,
+ * which the byte stores cannot alias. */
+#define KVH_FAST(K, W, LOW, JROT) \
     do { \
+        const uint8_t *const jlo_ = job->lo, *const jhi_ = job->hi; \
+        uint8_t *const jdst_ = job->dst; \
+        const size_t je_ = job->end; \
+        size_t jn_ = job->next; \
+        KVH_JOIN_ZERO; \
         for (;;) { \
             ptrdiff_t k_ = PTRDIFF_MAX; \
             int j_; \
@@ -629,6 +662,7 @@ typedef struct {
                     uint64_t b2 = kvh_load64(src + (p2 >> 3)) >> (p2 & 7); \
                     uint64_t b3 = kvh_load64(src + (p3 >> 3)) >> (p3 & 7); \
                     int r_; \
+                    KVH_JOIN_STEP(K, JROT); \
                     for (r_ = 0; r_ < (K); r_++) { \
                         KVH_LOOKUP(b0, p0, o0, W, LOW); \
                         KVH_LOOKUP(b1, p1, o1, W, LOW); \
@@ -638,6 +672,7 @@ typedef struct {
                 } while (--k_); \
                 st->p[0] = p0; st->p[1] = p1; st->p[2] = p2; st->p[3] = p3; \
                 st->o[0] = o0; st->o[1] = o1; st->o[2] = o2; st->o[3] = o3; \
+                job->next = jn_; \
             } \
         } \
     } while (0)
@@ -653,10 +688,32 @@ typedef struct {
     } while (0)
 #define KVH_AND(b, W) ((b) & ((1u << (W)) - 1))
 
-static void kvh_rounds(const uint8_t *src, const kvh_dtable *dt, kvh_streams *st)
+#if KVS_SSE2
+#define KVH_JOIN_ZERO const __m128i jz_ = _mm_setzero_si128(); (void)jz_
+#else
+#define KVH_JOIN_ZERO (void)jlo_; (void)jhi_; (void)jdst_; (void)je_
+#endif
+/* The loop for this segment's code (K, W) and the job's rotation (bf16 1, fp16 0, none -1). */
+#define KVH_ROUNDS_BODY(LOW) \
+    do { \
+        kvh_job none_ = {NULL, NULL, NULL, 0, 0}; \
+        if (job == NULL || job->next >= job->end) jrot = -1; \
+        if (jrot < 0) job = &none_; \
+        if (dt->wlog == KVH_DEFAULT_LOG) { \
+            if (jrot == 0) KVH_FAST(5, KVH_DEFAULT_LOG, LOW, 0); \
+            else if (jrot == 1) KVH_FAST(5, KVH_DEFAULT_LOG, LOW, 1); \
+            else KVH_FAST(5, KVH_DEFAULT_LOG, LOW, -1); \
+        } else { \
+            if (jrot == 0) KVH_FAST(4, KVH_MAX_LOG, LOW, 0); \
+            else if (jrot == 1) KVH_FAST(4, KVH_MAX_LOG, LOW, 1); \
+            else KVH_FAST(4, KVH_MAX_LOG, LOW, -1); \
+        } \
+    } while (0)
+
+static void kvh_rounds(const uint8_t *src, const kvh_dtable *dt, kvh_streams *st, kvh_job *job,
+                       int jrot)
 {
-    if (dt->wlog == KVH_DEFAULT_LOG) KVH_FAST(5, KVH_DEFAULT_LOG, KVH_AND);
-    else KVH_FAST(4, KVH_MAX_LOG, KVH_AND);
+    KVH_ROUNDS_BODY(KVH_AND);
 }
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
@@ -666,10 +723,10 @@ static void kvh_rounds(const uint8_t *src, const kvh_dtable *dt, kvh_streams *st
 #define KVH_BZHI(b, W) _bzhi_u64((b), (W))
 
 __attribute__((target("bmi2"))) static void kvh_rounds_bmi2(const uint8_t *src,
-                                                            const kvh_dtable *dt, kvh_streams *st)
+                                                            const kvh_dtable *dt, kvh_streams *st,
+                                                            kvh_job *job, int jrot)
 {
-    if (dt->wlog == KVH_DEFAULT_LOG) KVH_FAST(5, KVH_DEFAULT_LOG, KVH_BZHI);
-    else KVH_FAST(4, KVH_MAX_LOG, KVH_BZHI);
+    KVH_ROUNDS_BODY(KVH_BZHI);
 }
 #undef KVH_BZHI
 
@@ -684,10 +741,11 @@ static inline int kvh_have_bmi2(void)
     }
     return kvh_bmi2;
 }
-#define KVH_ROUNDS(src, dt, st) \
-    (kvh_have_bmi2() ? kvh_rounds_bmi2((src), (dt), (st)) : kvh_rounds((src), (dt), (st)))
+#define KVH_ROUNDS(src, dt, st, job, jrot) \
+    (kvh_have_bmi2() ? kvh_rounds_bmi2((src), (dt), (st), (job), (jrot)) \
+                     : kvh_rounds((src), (dt), (st), (job), (jrot)))
 #else
-#define KVH_ROUNDS(src, dt, st) kvh_rounds((src), (dt), (st))
+#define KVH_ROUNDS(src, dt, st, job, jrot) kvh_rounds((src), (dt), (st), (job), (jrot))
 #endif
 
 /* 0: use the plain loop from now on; otherwise the BMI2 one if the CPU has it. Returns whether
@@ -704,7 +762,10 @@ static inline int kvh_set_bmi2(int use)
 #endif
 }
 
-static inline int kvh_decode_huf(const uint8_t *src, size_t len, uint8_t *dst, size_t m)
+/* Decode a HUF segment's body into m bytes at dst; the rounds do some of job's join (may be
+ * NULL) on the way, with rotation jrot. */
+static inline int kvh_decode_huf(const uint8_t *src, size_t len, uint8_t *dst, size_t m,
+                                 kvh_job *job, int jrot)
 {
     kvh_dtable dt;
     kvh_streams st;
@@ -734,7 +795,7 @@ static inline int kvh_decode_huf(const uint8_t *src, size_t len, uint8_t *dst, s
         st.o[j] = dst + j * q;
         st.oe[j] = st.o[j] + qn[j];
     }
-    if (fast) KVH_ROUNDS(src, &dt, &st);
+    if (fast) KVH_ROUNDS(src, &dt, &st, job, jrot);
     for (j = 0; j < 4; j++) {
         size_t done = (size_t)(st.o[j] - (dst + j * q)), bp = st.p[j] - 8 * start[j];
         if (kvh_decode_tail(&dt, src + start[j], sl[j], &bp, st.o[j], qn[j] - done) < 0)
@@ -747,9 +808,14 @@ static inline int kvh_decode_huf(const uint8_t *src, size_t len, uint8_t *dst, s
 #undef KVH_FAST
 #undef KVH_LOOKUP
 #undef KVH_AND
+#undef KVH_JOIN_STEP
+#undef KVH_JOIN_ZERO
+#undef KVH_ROUNDS_BODY
+#undef KVH_ROUNDS
 
-/* Decode one segment (len bytes at src) into m bytes at dst. */
-static inline int kvh_decode_seg(const uint8_t *src, size_t len, uint8_t *dst, size_t m)
+/* Decode one segment (len bytes at src) into m bytes at dst (a HUF one doing part of job). */
+static inline int kvh_decode_seg(const uint8_t *src, size_t len, uint8_t *dst, size_t m,
+                                 kvh_job *job, int jrot)
 {
     if (len < 1) return KVH_ERR_CORRUPT;
     switch (src[0]) {
@@ -762,7 +828,7 @@ static inline int kvh_decode_seg(const uint8_t *src, size_t len, uint8_t *dst, s
         memset(dst, src[1], m);
         return 0;
     case KVH_SEG_HUF:
-        return kvh_decode_huf(src + 1, len - 1, dst, m);
+        return kvh_decode_huf(src + 1, len - 1, dst, m, job, jrot);
     default:
         return KVH_ERR_CORRUPT;
     }
@@ -796,7 +862,7 @@ static inline int kvh_decode_plane(const uint8_t *src, size_t len, uint8_t *dst,
         size_t sl, a = i * seg, m = n - a < seg ? n - a : seg;
         int r = kvh_segment(src, len, nseg, i, &off, &p, &sl);
         if (r < 0) return r;
-        r = kvh_decode_seg(p, sl, dst + a, m);
+        r = kvh_decode_seg(p, sl, dst + a, m, NULL, -1);
         if (r < 0) return r;
     }
     return 0;
@@ -833,24 +899,30 @@ static inline ptrdiff_t kvh_encode2(const uint8_t *src, size_t n, int rot, uint8
     return (ptrdiff_t)pos;
 }
 
-/* Inverse: decode the high-plane section (len bytes) segment by segment into scratch (seg
- * bytes; raw segments are read in place) and join it with lo into dst (2 * n bytes). */
+/* Inverse: decode the high-plane section (len bytes) segment by segment into scratch (raw
+ * segments are read in place) and join it with lo into dst (2 * n bytes). With scratch_len >=
+ * 2 * seg and rot 0 or 1 (fp16, bf16), segments alternate between two scratch halves and each
+ * one's join is mostly done by the next one's decoding loop (kvh_job); with seg bytes, each
+ * segment is joined after it is decoded. */
 static inline int kvh_decode2(const uint8_t *src, size_t len, const uint8_t *lo, uint8_t *dst,
-                              size_t n, int rot, uint8_t *scratch, size_t seg)
+                              size_t n, int rot, uint8_t *scratch, size_t scratch_len, size_t seg)
 {
-    size_t nseg, i, off;
-    if (seg == 0) return KVH_ERR_ARG;
+    size_t nseg, i, off, prev = 0;
+    kvh_job job = {NULL, NULL, NULL, 0, 0};
+    int overlap = KVS_SSE2 && scratch_len / 2 >= seg && (rot == 0 || rot == 1);
+    if (seg == 0 || scratch_len < seg) return KVH_ERR_ARG;
     nseg = (n + seg - 1) / seg;
     if (nseg == 0) return len == 0 ? 0 : KVH_ERR_CORRUPT;
     if (len < 4 * nseg) return KVH_ERR_CORRUPT;
     off = 4 * nseg;
     for (i = 0; i < nseg; i++) {
-        const uint8_t *p, *hi = scratch;
+        uint8_t *buf = scratch + (overlap && (i & 1) ? seg : 0);
+        const uint8_t *p, *hi = buf;
         size_t sl, a = i * seg, m = n - a < seg ? n - a : seg;
         int r = kvh_segment(src, len, nseg, i, &off, &p, &sl);
         if (r == 0) {
             if (sl == m + 1 && p[0] == KVH_SEG_RAW) hi = p + 1;
-            else r = kvh_decode_seg(p, sl, scratch, m);
+            else r = kvh_decode_seg(p, sl, buf, m, prev ? &job : NULL, rot);
         }
         if (r < 0) {
             kvs_sfence();
@@ -858,8 +930,27 @@ static inline int kvh_decode2(const uint8_t *src, size_t len, const uint8_t *lo,
         }
         /* the output is typically a fresh chunk buffer or a DRAM slot, not in cache:
          * non-temporal stores skip reading its lines in first */
-        kvs_join2_nt(lo + a, hi, dst + 2 * a, m, rot);
+        if (prev)
+            kvs_join2_nt(job.lo + job.next, job.hi + job.next, job.dst + 2 * job.next,
+                         prev - job.next, rot);
+        if (overlap && ((uintptr_t)dst & 1) == 0) {
+            /* this segment's join is the next one's job, from its first aligned element */
+            size_t pre = ((16 - ((uintptr_t)(dst + 2 * a) & 15)) & 15) / 2;
+            if (pre > m) pre = m;
+            kvs_join2(lo + a, hi, dst + 2 * a, pre, rot);
+            job.lo = lo + a;
+            job.hi = hi;
+            job.dst = dst + 2 * a;
+            job.next = pre;
+            job.end = m;
+            prev = m;
+        } else {
+            kvs_join2_nt(lo + a, hi, dst + 2 * a, m, rot);
+        }
     }
+    if (prev)
+        kvs_join2_nt(job.lo + job.next, job.hi + job.next, job.dst + 2 * job.next,
+                     prev - job.next, rot);
     kvs_sfence();
     return 0;
 }

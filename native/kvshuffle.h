@@ -64,6 +64,34 @@ static inline void kvs_join2(const uint8_t *lo, const uint8_t *hi, uint8_t *dst,
     }
 }
 
+#if defined(__GNUC__) || defined(__clang__)
+#define KVS_INLINE static inline __attribute__((always_inline))
+#else
+#define KVS_INLINE static inline
+#endif
+
+#if KVS_SSE2
+/* 16 elements of kvs_join2_nt at element i (dst + 2 * i 16-byte aligned). Meant to be called with
+ * a constant rot, which leaves fp16 (0) without shifts and bf16 (1) with immediate ones; l and r
+ * (16 - rot and rot as shift counts) serve any other rot. */
+KVS_INLINE void kvs_join16_nt(const uint8_t *lo, const uint8_t *hi, uint8_t *dst, size_t i, int rot,
+                              __m128i l, __m128i r)
+{
+    __m128i x = _mm_loadu_si128((const __m128i *)(lo + i));
+    __m128i y = _mm_loadu_si128((const __m128i *)(hi + i));
+    __m128i a = _mm_unpacklo_epi8(x, y), b = _mm_unpackhi_epi8(x, y);
+    if (rot == 1) {
+        a = _mm_or_si128(_mm_slli_epi16(a, 15), _mm_srli_epi16(a, 1));
+        b = _mm_or_si128(_mm_slli_epi16(b, 15), _mm_srli_epi16(b, 1));
+    } else if (rot != 0) {
+        a = _mm_or_si128(_mm_sll_epi16(a, l), _mm_srl_epi16(a, r));
+        b = _mm_or_si128(_mm_sll_epi16(b, l), _mm_srl_epi16(b, r));
+    }
+    _mm_stream_si128((__m128i *)(dst + 2 * i), a);
+    _mm_stream_si128((__m128i *)(dst + 2 * i + 16), b);
+}
+#endif
+
 /* kvs_join2 with non-temporal stores where dst allows (16-byte aligned after an even prefix):
  * for decoding into a buffer that is not in cache (a fresh chunk buffer, a DRAM slot), where
  * ordinary stores would first read every line in from memory. Call kvs_sfence() when done. */
@@ -79,13 +107,13 @@ static inline void kvs_join2_nt(const uint8_t *lo, const uint8_t *hi, uint8_t *d
     pre = ((16 - ((uintptr_t)dst & 15)) & 15) / 2;
     if (pre > n) pre = n;
     kvs_join2(lo, hi, dst, pre, rot);
-    for (i = pre; i + 16 <= n; i += 16) {
-        __m128i x = _mm_loadu_si128((const __m128i *)(lo + i));
-        __m128i y = _mm_loadu_si128((const __m128i *)(hi + i));
-        __m128i a = _mm_unpacklo_epi8(x, y), b = _mm_unpackhi_epi8(x, y);
-        _mm_stream_si128((__m128i *)(dst + 2 * i), _mm_or_si128(_mm_sll_epi16(a, l), _mm_srl_epi16(a, r)));
-        _mm_stream_si128((__m128i *)(dst + 2 * i + 16), _mm_or_si128(_mm_sll_epi16(b, l), _mm_srl_epi16(b, r)));
-    }
+    i = pre;
+    if (rot == 0)
+        for (; i + 16 <= n; i += 16) kvs_join16_nt(lo, hi, dst, i, 0, l, r);
+    else if (rot == 1)
+        for (; i + 16 <= n; i += 16) kvs_join16_nt(lo, hi, dst, i, 1, l, r);
+    else
+        for (; i + 16 <= n; i += 16) kvs_join16_nt(lo, hi, dst, i, rot, l, r);
     kvs_join2(lo + i, hi + i, dst + 2 * i, n - i, rot);
 #else
     kvs_join2(lo, hi, dst, n, rot);

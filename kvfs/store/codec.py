@@ -795,7 +795,8 @@ class Codec:
             # hot path: the high plane is decoded segment by segment and joined with the low
             # plane (read in place when raw) straight into the output
             lo = self._plane(modes[0], sections[0], n, seg_log2, 1)
-            scratch = self._local.scratch_view(1 << seg_log2)
+            # two segments' room: each segment's join then overlaps the next one's decoding
+            scratch = self._local.scratch_view(2 << seg_log2)
             _huff.decode2(sections[1], lo, omv[: 2 * n], scratch, rot, seg_log2)
         elif k == 2:
             lo = self._plane(modes[0], sections[0], n, seg_log2, 1)

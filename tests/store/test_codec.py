@@ -610,9 +610,9 @@ def test_huff_plane_roundtrip(seg_log2: int, bits: int, decode_loop: bool) -> No
         assert est >= 0
 
 
-@pytest.mark.parametrize("rot", [0, 1])
+@pytest.mark.parametrize("rot", [0, 1, 7])
 @pytest.mark.parametrize("length", [0, 1, 2, 3, 1023 * 2, 1024 * 2, 1025 * 2 + 1, 300_001])
-def test_huff_encode2_decode2(fp16: bytes, rot: int, length: int) -> None:
+def test_huff_encode2_decode2(fp16: bytes, rot: int, length: int, decode_loop: bool) -> None:
     src = fp16[500_000 : 500_000 + length]
     n = length // 2
     lo = bytearray(n)
@@ -624,10 +624,15 @@ def test_huff_encode2_decode2(fp16: bytes, rot: int, length: int) -> None:
     hi = bytearray(n)
     _huff.decode_plane(memoryview(dst)[:ln], hi, 10)
     assert bytes(hi) == (ref >> 8).astype(np.uint8).tobytes()
-    out = bytearray(b"\xaa" * length)
-    _huff.decode2(memoryview(dst)[:ln], lo, out, scratch, rot, 10)
-    assert bytes(out[: 2 * n]) == src[: 2 * n]
-    assert out[2 * n :] == b"\xaa" * (length - 2 * n)
+    # one segment of scratch joins each segment after decoding it; two overlap the join with
+    # the next segment's decoding (from the first 16-byte aligned output element)
+    for room, shift in ((1024, 0), (2048, 0), (2048, 1), (2048, 6), (4096, 10)):
+        buf = bytearray(b"\xaa" * (length + 16))
+        out = memoryview(buf)[shift : shift + length]
+        _huff.decode2(memoryview(dst)[:ln], lo, out, bytearray(room), rot, 10)
+        assert bytes(out[: 2 * n]) == src[: 2 * n]
+        assert buf[:shift] == b"\xaa" * shift
+        assert buf[shift + 2 * n :] == b"\xaa" * (length + 16 - shift - 2 * n)
 
 
 def test_huff_many_small_planes(decode_loop: bool) -> None:
