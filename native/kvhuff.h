@@ -165,15 +165,16 @@ static inline int kvh_build_lengths(const uint32_t *freq, int maxbits, uint8_t *
     return maxd;
 }
 
+/* The low `bits` (1..16) bits of code in reverse order: all 16 reversed by swaps, then shifted
+ * down (a loop over the bits cost 1.6% of fp16 decoding, one call per symbol and segment). */
 static inline uint32_t kvh_reverse(uint32_t code, int bits)
 {
-    uint32_t r = 0;
-    int i;
-    for (i = 0; i < bits; i++) {
-        r = (r << 1) | (code & 1);
-        code >>= 1;
-    }
-    return r;
+    uint32_t r = code & 0xffffu;
+    r = ((r >> 1) & 0x5555u) | ((r & 0x5555u) << 1);
+    r = ((r >> 2) & 0x3333u) | ((r & 0x3333u) << 2);
+    r = ((r >> 4) & 0x0f0fu) | ((r & 0x0f0fu) << 4);
+    r = ((r >> 8) & 0x00ffu) | ((r & 0x00ffu) << 8);
+    return r >> (16 - bits);
 }
 
 /* Canonical codes from lengths: ct[s] = bit-reversed code | length << 16 (0 if absent). */
@@ -549,18 +550,16 @@ static inline ptrdiff_t kvh_read_table(const uint8_t *p, size_t avail, kvh_dtabl
         }
     }
     for (s = first; s <= last; s++) {
-        uint32_t w, y, r, base;
+        uint32_t x, base;
         const uint32_t *pw;
         l = len[s];
         if (!l) continue;
-        w = (uint32_t)(wlog - l);
-        pw = part + (1u << w);
-        r = rev[s];
+        pw = part + (1u << (wlog - l));
         base = (uint32_t)s | (uint32_t)l << 16 | 1u << 24;
-        for (y = 0; y < (1u << w); y++) {
-            uint32_t e = base + pw[y];
-            dt->two[r | y << l] = e;
-            dt->nb[r | y << l] = (uint8_t)(e >> 16);
+        for (x = rev[s]; x < (1u << wlog); x += 1u << l) {
+            uint32_t e = base + *pw++;
+            dt->two[x] = e;
+            dt->nb[x] = (uint8_t)(e >> 16);
         }
     }
     return (ptrdiff_t)(3 + nb);
