@@ -181,6 +181,6 @@ def estimate(const uint8_t[::1] src, int maxbits=KVH_DEFAULT_LOG) -> int:
 
 
 def _use_bmi2(bint use) -> bool:
-    """Tests only: decode with the BMI2 loop (if the CPU has it; the default) or the plain one.
-    Process-wide; returns whether the BMI2 loop is in use."""
+    """Tests only: decode with the BMI2+LZCNT loop (if the CPU has both; the default) or the
+    plain one. Process-wide; returns whether the BMI2+LZCNT loop is in use."""
     return bool(kvh_set_bmi2(1 if use else 0))

@@ -634,7 +634,7 @@ typedef struct {
  * interleaved lookup by lookup, so that independent work sits close together in program order.
  * Each round first does its share of the job (JROT its rotation, -1 no job). State in locals,
  * which the byte stores cannot alias. */
-#define KVH_FAST(K, W, LOW, JROT) \
+#define KVH_FAST(K, W, LOW, JROT, MARK) \
     do { \
         const uint8_t *const jlo_ = job->lo, *const jhi_ = job->hi; \
         uint8_t *const jdst_ = job->dst; \
@@ -656,17 +656,23 @@ typedef struct {
                 size_t p0 = st->p[0], p1 = st->p[1], p2 = st->p[2], p3 = st->p[3]; \
                 uint8_t *o0 = st->o[0], *o1 = st->o[1], *o2 = st->o[2], *o3 = st->o[3]; \
                 do { \
-                    uint64_t b0 = kvh_load64(src + (p0 >> 3)) >> (p0 & 7); \
-                    uint64_t b1 = kvh_load64(src + (p1 >> 3)) >> (p1 & 7); \
-                    uint64_t b2 = kvh_load64(src + (p2 >> 3)) >> (p2 & 7); \
-                    uint64_t b3 = kvh_load64(src + (p3 >> 3)) >> (p3 & 7); \
+                    uint64_t b0 = (kvh_load64(src + (p0 >> 3)) | (MARK)) >> (p0 & 7); \
+                    uint64_t b1 = (kvh_load64(src + (p1 >> 3)) | (MARK)) >> (p1 & 7); \
+                    uint64_t b2 = (kvh_load64(src + (p2 >> 3)) | (MARK)) >> (p2 & 7); \
+                    uint64_t b3 = (kvh_load64(src + (p3 >> 3)) | (MARK)) >> (p3 & 7); \
                     int r_; \
                     KVH_JOIN_STEP(K, JROT); \
                     for (r_ = 0; r_ < (K); r_++) { \
-                        KVH_LOOKUP(b0, p0, o0, W, LOW); \
-                        KVH_LOOKUP(b1, p1, o1, W, LOW); \
-                        KVH_LOOKUP(b2, p2, o2, W, LOW); \
-                        KVH_LOOKUP(b3, p3, o3, W, LOW); \
+                        KVH_LOOKUP(b0, p0, o0, W, LOW, MARK); \
+                        KVH_LOOKUP(b1, p1, o1, W, LOW, MARK); \
+                        KVH_LOOKUP(b2, p2, o2, W, LOW, MARK); \
+                        KVH_LOOKUP(b3, p3, o3, W, LOW, MARK); \
+                    } \
+                    if (MARK) { \
+                        p0 = (p0 & ~(size_t)7) + KVH_CLZ64(b0); \
+                        p1 = (p1 & ~(size_t)7) + KVH_CLZ64(b1); \
+                        p2 = (p2 & ~(size_t)7) + KVH_CLZ64(b2); \
+                        p3 = (p3 & ~(size_t)7) + KVH_CLZ64(b3); \
                     } \
                 } while (--k_); \
                 st->p[0] = p0; st->p[1] = p1; st->p[2] = p2; st->p[3] = p3; \
@@ -675,7 +681,7 @@ typedef struct {
             } \
         } \
     } while (0)
-#define KVH_LOOKUP(b, pos, out, W, LOW) \
+#define KVH_LOOKUP(b, pos, out, W, LOW, MARK) \
     do { \
         size_t x_ = (size_t)LOW((b), (W)); \
         unsigned n_ = dt->nb[x_]; \
@@ -683,9 +689,14 @@ typedef struct {
         kvh_store32((out), e_); \
         (out) += e_ >> 24; \
         (b) >>= n_; \
-        (pos) += n_; \
+        if (!(MARK)) (pos) += n_; \
     } while (0)
 #define KVH_AND(b, W) ((b) & ((1u << (W)) - 1))
+#if defined(__GNUC__) || defined(__clang__)
+#define KVH_CLZ64(x) ((size_t)__builtin_clzll(x)) /* lzcnt where the target has it */
+#else
+#define KVH_CLZ64(x) ((size_t)0) /* only the marker loop (MARK != 0, GCC/clang) counts this way */
+#endif
 
 #if KVS_SSE2
 #define KVH_JOIN_ZERO const __m128i jz_ = _mm_setzero_si128(); (void)jz_
@@ -693,39 +704,43 @@ typedef struct {
 #define KVH_JOIN_ZERO (void)jlo_; (void)jhi_; (void)jdst_; (void)je_
 #endif
 /* The loop for this segment's code (K, W) and the job's rotation (bf16 1, fp16 0, none -1). */
-#define KVH_ROUNDS_BODY(LOW) \
+#define KVH_ROUNDS_BODY(LOW, MARK) \
     do { \
         kvh_job none_ = {NULL, NULL, NULL, 0, 0}; \
         if (job == NULL || job->next >= job->end) jrot = -1; \
         if (jrot < 0) job = &none_; \
         if (dt->wlog == KVH_DEFAULT_LOG) { \
-            if (jrot == 0) KVH_FAST(5, KVH_DEFAULT_LOG, LOW, 0); \
-            else if (jrot == 1) KVH_FAST(5, KVH_DEFAULT_LOG, LOW, 1); \
-            else KVH_FAST(5, KVH_DEFAULT_LOG, LOW, -1); \
+            if (jrot == 0) KVH_FAST(5, KVH_DEFAULT_LOG, LOW, 0, MARK); \
+            else if (jrot == 1) KVH_FAST(5, KVH_DEFAULT_LOG, LOW, 1, MARK); \
+            else KVH_FAST(5, KVH_DEFAULT_LOG, LOW, -1, MARK); \
         } else { \
-            if (jrot == 0) KVH_FAST(4, KVH_MAX_LOG, LOW, 0); \
-            else if (jrot == 1) KVH_FAST(4, KVH_MAX_LOG, LOW, 1); \
-            else KVH_FAST(4, KVH_MAX_LOG, LOW, -1); \
+            if (jrot == 0) KVH_FAST(4, KVH_MAX_LOG, LOW, 0, MARK); \
+            else if (jrot == 1) KVH_FAST(4, KVH_MAX_LOG, LOW, 1, MARK); \
+            else KVH_FAST(4, KVH_MAX_LOG, LOW, -1, MARK); \
         } \
     } while (0)
 
 static void kvh_rounds(const uint8_t *src, const kvh_dtable *dt, kvh_streams *st, kvh_job *job,
                        int jrot)
 {
-    KVH_ROUNDS_BODY(KVH_AND);
+    KVH_ROUNDS_BODY(KVH_AND, 0);
 }
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
-/* The same loop for CPUs with BMI2 (x86-64 since 2013), chosen at run time: shrx shifts by a
- * register without tying up cl (one uop, not two) and bzhi masks without a copy. */
+/* The same loop for CPUs with BMI2 and LZCNT (x86-64 since 2013), chosen at run time: shrx
+ * shifts by a register without tying up cl (one uop, not two), bzhi masks without a copy, and
+ * the bit positions move once per round: the round's load sets bit 63, a marker past the
+ * 7 + K * W <= 62 bits the lookups may look at, and its leading zeros after the lookups are
+ * (p & 7) + the bits consumed (one lzcnt instead of K adds, p not live during the lookups). */
 #include <immintrin.h>
 #define KVH_BZHI(b, W) _bzhi_u64((b), (W))
 
-__attribute__((target("bmi2"))) static void kvh_rounds_bmi2(const uint8_t *src,
-                                                            const kvh_dtable *dt, kvh_streams *st,
-                                                            kvh_job *job, int jrot)
+__attribute__((target("bmi2,lzcnt"))) static void kvh_rounds_bmi2(const uint8_t *src,
+                                                                  const kvh_dtable *dt,
+                                                                  kvh_streams *st, kvh_job *job,
+                                                                  int jrot)
 {
-    KVH_ROUNDS_BODY(KVH_BZHI);
+    KVH_ROUNDS_BODY(KVH_BZHI, (uint64_t)1 << 63);
 }
 #undef KVH_BZHI
 
@@ -736,7 +751,7 @@ static inline int kvh_have_bmi2(void)
 {
     if (kvh_bmi2 < 0) {
         __builtin_cpu_init();
-        kvh_bmi2 = __builtin_cpu_supports("bmi2") ? 1 : 0;
+        kvh_bmi2 = __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("lzcnt") ? 1 : 0;
     }
     return kvh_bmi2;
 }
@@ -807,6 +822,7 @@ static inline int kvh_decode_huf(const uint8_t *src, size_t len, uint8_t *dst, s
 #undef KVH_FAST
 #undef KVH_LOOKUP
 #undef KVH_AND
+#undef KVH_CLZ64
 #undef KVH_JOIN_STEP
 #undef KVH_JOIN_ZERO
 #undef KVH_ROUNDS_BODY

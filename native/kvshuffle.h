@@ -74,8 +74,8 @@ static inline void kvs_join2(const uint8_t *lo, const uint8_t *hi, uint8_t *dst,
 /* 16 elements of kvs_join2_nt at element i (dst + 2 * i 16-byte aligned). Meant to be called with
  * a constant rot, which leaves fp16 (0) without shifts and bf16 (1) with immediate ones; l and r
  * (16 - rot and rot as shift counts) serve any other rot. */
-KVS_INLINE void kvs_join16_nt(const uint8_t *lo, const uint8_t *hi, uint8_t *dst, size_t i, int rot,
-                              __m128i l, __m128i r)
+KVS_INLINE void kvs_join16_nt(const uint8_t *lo, const uint8_t *hi, uint8_t *dst, size_t i,
+                              int rot, __m128i l, __m128i r)
 {
     __m128i x = _mm_loadu_si128((const __m128i *)(lo + i));
     __m128i y = _mm_loadu_si128((const __m128i *)(hi + i));
