@@ -38,6 +38,9 @@ SEG_LOG2_MAX = 24
 
 cdef uint8_t _EMPTY[1]
 
+# pick the decoder's fast loop (BMI2+LZCNT or plain) now, before worker threads decode
+kvh_set_bmi2(1)
+
 
 class HuffError(ValueError):
     """A plane section that cannot be decoded (corrupt or truncated)."""

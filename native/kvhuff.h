@@ -745,7 +745,7 @@ __attribute__((target("bmi2,lzcnt"))) static void kvh_rounds_bmi2(const uint8_t 
 }
 #undef KVH_BZHI
 
-/* 1: the BMI2 loop, 0: the plain one, -1: not yet detected (see kvh_set_bmi2) */
+/* 1: the BMI2+LZCNT loop, 0: the plain one, -1: not yet detected (see kvh_set_bmi2) */
 static int kvh_bmi2 = -1;
 
 static inline int kvh_have_bmi2(void)
@@ -763,8 +763,8 @@ static inline int kvh_have_bmi2(void)
 #define KVH_ROUNDS(src, dt, st, job, jrot) kvh_rounds((src), (dt), (st), (job), (jrot))
 #endif
 
-/* 0: use the plain loop from now on; otherwise the BMI2 one if the CPU has it. Returns whether
- * the BMI2 loop is in use. For tests: both loops must decode alike. */
+/* 0: use the plain loop from now on; otherwise detect (the BMI2+LZCNT loop if the CPU has both).
+ * Returns whether that loop is in use. _huff calls it at import; tests switch loops with it. */
 static inline int kvh_set_bmi2(int use)
 {
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
