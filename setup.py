@@ -25,6 +25,8 @@ EXTENSIONS = [
     # Huffman coder of byte planes for codecs 5-7 (kvfs/store/codec.py); headers in native/.
     Extension("kvfs._huff", ["native/_huff.pyx"], extra_compile_args=["-O3"],
               depends=["native/kvhuff.h", "native/kvshuffle.h"]),
+    # xxh3 without the GIL (Debian's libxxhash-dev header, inlined).
+    Extension("kvfs._digest", ["native/_digest.pyx"], extra_compile_args=["-O3"]),
     # Adds fallocate() to pyfuse3's FUSE session (see the module docstring).
     Extension("kvfs._fuseshim", ["native/_fuseshim.pyx"],
               extra_compile_args=pkg_config("--cflags", default="-I/usr/include/fuse3"),

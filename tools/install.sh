@@ -7,8 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
-# FUSE 3 and its headers (pyfuse3 builds against them), a C compiler for the Cython index.
-pkgs="fuse3 libfuse3-dev pkg-config gcc"
+# FUSE 3 and its headers (pyfuse3 builds against them), a C compiler for the Cython code,
+# xxHash's header (checksums without the GIL: native/_digest.pyx).
+pkgs="fuse3 libfuse3-dev pkg-config gcc libxxhash-dev"
 if ! dpkg -s $pkgs >/dev/null 2>&1 || ! command -v "$PYTHON" >/dev/null; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $pkgs python3 python3-dev python3-pip >/dev/null

@@ -46,6 +46,7 @@ from typing import NamedTuple
 import trio
 import xxhash
 
+from kvfs import _digest
 from kvfs._index import ChunkIndex
 from kvfs.store.choices import ChoiceMemory
 from kvfs.store.codec import CODEC_RAW, Codec, CodecError
@@ -64,6 +65,8 @@ STREAM_GC = 1
 _LOC = struct.Struct("<qIQIIIBBQQ")
 # Hashing this much inline (~30 us) is cheaper than a round trip to a worker thread.
 INLINE_HASH_BYTES = 512 << 10
+# ... and from this much on, two worker threads hash a file's halves at once.
+PARALLEL_HASH_BYTES = 2 << 20
 # NVMe reads keep a clean DRAM copy while DRAM holds less than this share (no eviction for
 # a promotion: the demoter keeps room for writes below the high watermark).
 PROMOTE_SHARE = 0.9
@@ -117,8 +120,10 @@ class ChunkError(Exception):
     errno = errno.EIO
 
 
-def _hash(view) -> int:
-    return xxhash.xxh3_64_intdigest(view)
+# xxh3-64 of a chunk's raw bytes: kvfs._digest's releases the GIL (workers hash in parallel
+# and the trio thread runs meanwhile); python-xxhash's, the same function, where it cannot run.
+xxhash_hash = xxhash.xxh3_64_intdigest
+_hash = _digest.xxh3 if _digest.fast() else xxhash_hash
 
 
 @dataclass
@@ -1118,16 +1123,27 @@ class ChunkStore:
                     self._replace(txn, ino, c, loc, loc._replace(flags=SEALED, checksum=csum))
 
     async def _hash_chunks(self, ino: int, todo: list[tuple[int, Loc]]) -> list[int]:
-        """xxh3 of each chunk's bytes in its region: inline when they are few, else in a
-        worker thread."""
-        if sum(loc.raw_len for _, loc in todo) <= INLINE_HASH_BYTES:
+        """xxh3 of each chunk's bytes in its region: inline when they are few, else in worker
+        threads, two at once when there is much (an open may be waiting for this; the hash
+        runs without the GIL)."""
+        total = sum(loc.raw_len for _, loc in todo)
+        if total <= INLINE_HASH_BYTES:
             return [_hash(self._dram_bytes(ino, c, loc.raw_len)) for c, loc in todo]
+        half = len(todo) // 2 if total >= PARALLEL_HASH_BYTES and _hash is not xxhash_hash else 0
+        parts = [todo[:half], todo[half:]] if half else [todo]
+        sums: list[list[int]] = [[] for _ in parts]
         held = self.dram.hold(ino)
+
+        async def hash_part(i: int) -> None:
+            sums[i] = await trio.to_thread.run_sync(self._hash_regions, held, parts[i],
+                                                    limiter=self.limiter)
         try:
-            return await trio.to_thread.run_sync(self._hash_regions, held, todo,
-                                                 limiter=self.limiter)
+            async with trio.open_nursery() as nursery:
+                for i in range(len(parts)):
+                    nursery.start_soon(hash_part, i)
         finally:
             self.dram.drop(held)
+        return [csum for part in sums for csum in part]
 
     def _hash_regions(self, held: DramFile, todo: list[tuple[int, Loc]]) -> list[int]:
         """Worker thread: xxh3 of each chunk's bytes in its region. (pread, not a mapping:
