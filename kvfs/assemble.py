@@ -51,6 +51,11 @@ class Assembly:
             io_threads=s.io_threads, policy=self.policy, dram_compress=s.dram_compress)
         self.policy.pinned = lambda key: key[0] in self.store.dram.pins
         self.ns = Namespace(self.meta)
+        for ino, size in self.store.recovered_sizes.items():
+            inode = self.ns.inodes.get(ino)
+            if inode is not None:  # a file written straight into DRAM when the daemon stopped
+                inode.size = size
+                self.ns.save(inode)
         self.evictor = None
         extra = []
         self.store.prefetch_limiter.total_tokens = s.prefetch_concurrency

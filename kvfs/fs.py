@@ -12,6 +12,8 @@ Attributes of `Operations`:
     dirs      open directory handles (fh -> snapshot of entries)
     shim      kvfs._fuseshim when FUSE passthrough may be used (set by the daemon), else None
     backing   inodes in passthrough mode (ino -> [backing id, opens carrying it])
+    writers   inodes the kernel writes straight into their DRAM file (ino -> writer handles)
+    stream_policy  which new files may be written so (tiering.StreamingPolicy)
 
 FUSE passthrough (Linux 6.9+): an open for reading of a file whose chunks are all in DRAM
 (and check out) is answered with the backing id of its DRAM file, and the kernel serves its
@@ -21,6 +23,14 @@ an inode is in passthrough mode every open of it carries its backing id, and the
 must not bypass the daemon (writers, O_DIRECT, a file that does not check out) also carry
 direct_io, which sends their reads and writes here as before. The store keeps the DRAM copies
 of such a file where they are (`pin_passthrough`) until its last passthrough open is released.
+
+Writers too: a file created (or truncated to nothing by O_TRUNC) by an open for writing, with
+nothing else open and room to spare, is written by the kernel straight into its DRAM file
+(`ChunkStore.start_stream`). kvfs sees none of those writes; until the last writer closes,
+every open of the file reads and writes the DRAM file too (O_DIRECT ones included, so their
+alignment is not checked), its size is the DRAM file's, and an fsync takes what is there as
+the file's chunks and makes them durable. At the last writer's close the store takes the
+DRAM file's contents as the file (`ingest`).
 """
 
 from __future__ import annotations
@@ -36,9 +46,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyfuse3
+import trio
 
 from kvfs.namespace import Inode, Namespace, NamespaceError
 from kvfs.store.chunkstore import ChunkError, ChunkStore, NoSpace
+from kvfs.tiering import StreamingPolicy
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +74,7 @@ class Handle:
     flags: int
     pid: int = 0
     backed: bool = False  # carries its inode's passthrough backing id
+    streams: bool = False  # writes a file the kernel writes straight into its DRAM file
     # Chunks (chunk, seq) whose checksum this handle already verified: a sequence of small
     # reads checks each chunk once, not once per read.
     verified: set = field(default_factory=set)
@@ -115,8 +128,22 @@ class Operations(pyfuse3.Operations):
         self._fh = itertools.count(1)
         self.shim = None
         self.backing: dict[int, list[int]] = {}
+        self.writers: dict[int, int] = {}
+        self._finishing: dict[int, trio.Event] = {}
+        self.stream_policy = StreamingPolicy()
 
     # -- helpers ---------------------------------------------------------------------------
+    def _parent(self, ino: int) -> int | None:
+        """The directory holding *ino* (its first name), or None if it has none."""
+        names = self.ns.names_of(ino)
+        return min(names)[0] if names else None
+
+    def _current(self, inode: Inode) -> Inode:
+        """*inode*, its size brought up to date if the kernel is writing it without us."""
+        if inode.ino in self.writers:
+            inode.size = self.store.stream_size(inode.ino)
+        return inode
+
     def _attr(self, inode: Inode) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
         a.st_ino = inode.ino
@@ -128,9 +155,12 @@ class Operations(pyfuse3.Operations):
         a.st_uid = inode.uid
         a.st_gid = inode.gid
         a.st_rdev = inode.rdev
-        a.st_size = inode.size
+        a.st_size = self._current(inode).size
         a.st_blksize = BLOCK_SIZE
-        a.st_blocks = (self.store.blocks_bytes(inode.ino) + 511) // 512
+        held = self.store.blocks_bytes(inode.ino)
+        if inode.ino in self.writers:  # what the kernel wrote may not be counted yet
+            held = max(held, self.store.stream_blocks(inode.ino))
+        a.st_blocks = (held + 511) // 512
         a.st_atime_ns = inode.atime_ns
         a.st_mtime_ns = inode.mtime_ns
         a.st_ctime_ns = inode.ctime_ns
@@ -191,7 +221,7 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def setattr(self, inode, attr, fields, fh, ctx):
-        node = self.ns.get(inode)
+        node = self._current(self.ns.get(inode))
         now = time.time_ns()
         if fields.update_size:
             if not node.is_reg:
@@ -263,11 +293,12 @@ class Operations(pyfuse3.Operations):
 
     # -- files -----------------------------------------------------------------------------
     def _open_handle(self, inode: Inode, flags: int, pid: int,
-                     mode: tuple[int, bool] | None = None) -> pyfuse3.FileInfo:
-        """A new handle; *mode* (backing id, direct) from `_passthrough_mode` marks its open
-        reply for passthrough."""
+                     mode: tuple[int, bool, bool] | None = None) -> pyfuse3.FileInfo:
+        """A new handle; *mode* (backing id, direct, streams) from `_passthrough_mode` marks
+        its open reply for passthrough."""
         fh = next(self._fh)
-        self.handles[fh] = Handle(inode.ino, flags, pid, backed=mode is not None)
+        self.handles[fh] = Handle(inode.ino, flags, pid, backed=mode is not None,
+                                  streams=mode is not None and mode[2])
         inode.opens += 1
         if self.evictor is not None:
             self.evictor.touch(inode.ino)
@@ -279,32 +310,70 @@ class Operations(pyfuse3.Operations):
         # open without direct_io is read by the kernel from the DRAM file instead.)
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
 
-    async def _passthrough_mode(self, node: Inode, flags: int) -> tuple[int, bool] | None:
-        """(backing id, direct_io) for a new open of *node*, or None for an ordinary open.
-        The open is then counted as one carrying the id; no await may come between this and
-        `_open_handle`."""
+    async def _passthrough_mode(self, node: Inode, flags: int) -> tuple[int, bool, bool] | None:
+        """(backing id, direct_io, streams) for a new open of *node*, or None for an ordinary
+        open. The open is then counted as one carrying the id (and, if *streams*, as one of
+        the file's writers); no await may come between this and `_open_handle`."""
         if self.shim is None or not node.is_reg:
             return None
-        reader = flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_DIRECT
-        ready = reader and await self.store.passthrough_ready(node.ino, node.size)
-        b = self.backing.get(node.ino)  # looked up after the await: it may have changed
+        ino = node.ino
+        writer = flags & os.O_ACCMODE != os.O_RDONLY
+        if ino in self.writers:  # everything goes to the DRAM file while the kernel writes it
+            self.store.pin_passthrough(ino, node.size, reads=False)
+            self.backing[ino][1] += 1
+            if writer:
+                self.writers[ino] += 1
+            return self.backing[ino][0], False, writer
+        if self._streams(node, flags, self._parent(ino)):
+            return self._start_writing(ino)
+        reader = not writer and not flags & os.O_DIRECT
+        ready = reader and await self.store.passthrough_ready(ino, node.size)
+        b = self.backing.get(ino)  # looked up after the await: it may have changed
         if b is None:
             if not ready:
                 return None
-            fd = self.store.pin_passthrough(node.ino, node.size)
-            try:
-                backing_id = self.shim.backing_open(fd)
-            except OSError as exc:
-                self.store.unpin_passthrough(node.ino)
-                log.warning("FUSE passthrough unavailable (%s): every read goes through the "
-                            "daemon", exc)
-                self.shim = None
+            backing_id = self._backing_open(self.store.pin_passthrough(ino, node.size))
+            if backing_id is None:
+                self.store.unpin_passthrough(ino)
                 return None
-            b = self.backing[node.ino] = [backing_id, 0]
+            b = self.backing[ino] = [backing_id, 0]
         else:
-            self.store.pin_passthrough(node.ino, node.size, reads=ready)
+            self.store.pin_passthrough(ino, node.size, reads=ready)
         b[1] += 1
-        return b[0], not ready
+        return b[0], not ready, False
+
+    def _streams(self, node: Inode, flags: int, parent: int | None) -> bool:
+        """Should the kernel write this open's bytes straight into the DRAM file? Only for a
+        write-only open (O_RDWR files are worked on, and must stay movable while open; not
+        O_DIRECT) of a file with nothing in it and nothing else open, in a directory whose
+        files have been small enough to fit (tiering.StreamingPolicy)."""
+        if (self.shim is None or flags & os.O_ACCMODE != os.O_WRONLY or flags & os.O_DIRECT
+                or node.size or node.opens or node.ino in self.backing or parent is None):
+            return False
+        expected = self.stream_policy.expected(parent)
+        return expected is not None and self.store.can_stream(expected)
+
+    def _start_writing(self, ino: int) -> tuple[int, bool, bool] | None:
+        """The first writer of a file the kernel writes straight into its DRAM file."""
+        backing_id = self._backing_open(self.store.start_stream(ino))
+        if backing_id is None:
+            self.store.end_stream(ino)
+            return None
+        self.store.pin_passthrough(ino, 0, reads=False)
+        self.backing[ino] = [backing_id, 1]
+        self.writers[ino] = 1
+        return backing_id, False, True
+
+    def _backing_open(self, fd: int) -> int | None:
+        """The backing id of a DRAM file, or None (and no more passthrough) if the kernel
+        will not have it."""
+        try:
+            return self.shim.backing_open(fd)
+        except OSError as exc:
+            log.warning("FUSE passthrough unavailable (%s): every read and write goes through "
+                        "the daemon", exc)
+            self.shim = None
+            return None
 
     def _end_passthrough(self, h: Handle) -> None:
         """A handle carrying its inode's backing id is released."""
@@ -320,7 +389,9 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def open(self, inode, flags, ctx):
-        node = self.ns.get(inode)
+        while (finishing := self._finishing.get(inode)) is not None:
+            await finishing.wait()
+        node = self._current(self.ns.get(inode))
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
         if flags & os.O_TRUNC and node.size:
@@ -331,18 +402,23 @@ class Operations(pyfuse3.Operations):
             self.ns.save(node)
         mode = await self._passthrough_mode(node, flags)
         self.readahead.opened(inode, flags, node.size, ctx.pid)
-        if mode is not None and not mode[1]:
+        if mode is not None and not mode[1] and not mode[2]:
             # The kernel reads it without us: the whole file counts as read now.
             self.readahead.read(inode, 0, node.size, ctx.pid)
         return self._open_handle(node, flags, ctx.pid, mode)
 
     @_errors
     async def create(self, parent_inode, name, mode, flags, ctx):
-        node = self.ns.create(parent_inode, name, stat.S_IFREG | (mode & ~ctx.umask & 0o7777),
-                              ctx.uid, ctx.gid)
+        mode = stat.S_IFREG | (mode & ~ctx.umask & 0o7777)
+        if self._streams(Inode(0, mode), flags, parent_inode):
+            with self.store.meta.write():  # one commit: the inode and its writer's record
+                node = self.ns.create(parent_inode, name, mode, ctx.uid, ctx.gid)
+                pt = self._start_writing(node.ino)
+        else:
+            node = self.ns.create(parent_inode, name, mode, ctx.uid, ctx.gid)
+            pt = await self._passthrough_mode(node, flags)
         self.readahead.created(node.ino, parent_inode, ctx.pid)
-        fi = self._open_handle(node, flags, ctx.pid)
-        return fi, self._entry(node)
+        return self._open_handle(node, flags, ctx.pid, pt), self._entry(node)
 
     def _check_direct(self, h: Handle, off: int, size: int) -> None:
         if h.direct and (off % DIRECT_IO_ALIGN or size % DIRECT_IO_ALIGN):
@@ -428,18 +504,47 @@ class Operations(pyfuse3.Operations):
         if h.backed:
             self._end_passthrough(h)
         node = self.ns.inodes.get(h.ino)
+        if h.streams:
+            self.writers[h.ino] -= 1
+            if not self.writers[h.ino]:
+                await self._end_writing(h.ino, node)
         if node is None:
             return
+        if h.flags & os.O_ACCMODE != os.O_RDONLY and node.nlink > 0:
+            parent = self._parent(h.ino)
+            if parent is not None:  # the size files written in that directory reach
+                self.stream_policy.closed(parent, node.size)
         node.opens -= 1
         self.readahead.closed(h.ino, h.pid)
         if node.nlink > 0:
             await self.store.seal(h.ino, node.size)
         self._maybe_free(node)
 
+    async def _end_writing(self, ino: int, node: Inode | None) -> None:
+        """The last writer of a file the kernel wrote into its DRAM file closed: the store
+        takes its bytes. Opens of it meanwhile wait (`_finishing`): the bytes must be still."""
+        done = self._finishing[ino] = trio.Event()
+        try:
+            if node is not None and node.nlink > 0:
+                node.size = await self.store.take_stream(ino, done=True)
+                node.mtime_ns = node.ctime_ns = time.time_ns()
+                self.ns.save(node)
+            else:
+                self.store.end_stream(ino)
+        finally:
+            del self.writers[ino]
+            del self._finishing[ino]
+            done.set()
+
     @_errors
     async def fsync(self, fh, datasync):
         h = self.handles[fh]
-        await self.store.fsync(h.ino, self.ns.get(h.ino).size)
+        node = self._current(self.ns.get(h.ino))
+        if h.ino in self.writers and h.ino not in self._finishing:
+            # what the kernel wrote so far becomes the file's chunks
+            node.size = await self.store.take_stream(h.ino, done=False)
+            self.ns.save(node)
+        await self.store.fsync(h.ino, node.size)
 
     # -- directories -----------------------------------------------------------------------
     @_errors
@@ -525,7 +630,7 @@ class Operations(pyfuse3.Operations):
         and st_blocks), so later writes there cannot fail with ENOSPC; mode 0 also extends the
         file. Punching and zeroing ranges answer EOPNOTSUPP, as on filesystems without them."""
         try:
-            node = self.ns.get(ino)
+            node = self._current(self.ns.get(ino))
             if not node.is_reg:
                 return errno.ENODEV if not node.is_dir else errno.EISDIR
             if mode & ~FALLOC_FL_KEEP_SIZE:

@@ -288,3 +288,35 @@ class FileEvictor:
                 self.evicted_bytes += size
                 freed += max(size, 1)
         return freed > 0
+
+
+class StreamingPolicy:
+    """Which new files the kernel may write straight into their DRAM file (passthrough).
+
+    kvfs sees nothing of such a file until its writer closes it, so it cannot demote any of
+    it meanwhile nor answer ENOSPC: the file must fit in the DRAM tier's free room. Its size
+    is predicted from its directory: engines write a directory's KV blocks at one size, so
+    the largest of the last SIZE_MEMORY files closed there is the guess. A directory kvfs
+    has not seen a file closed in yet gets no streaming (its first files teach the size).
+    """
+
+    SIZE_MEMORY = 16
+    DIRECTORIES = 4096  # directories remembered (least recently used forgotten)
+
+    def __init__(self) -> None:
+        self.sizes: OrderedDict[int, list[int]] = OrderedDict()
+
+    def expected(self, parent: int) -> int | None:
+        """The size a new file in *parent* is expected to reach, or None if unknown."""
+        sizes = self.sizes.get(parent)
+        return max(sizes) if sizes else None
+
+    def closed(self, parent: int, size: int) -> None:
+        """A file written in *parent* was closed at *size* bytes."""
+        sizes = self.sizes.setdefault(parent, [])
+        self.sizes.move_to_end(parent)
+        sizes.append(size)
+        if len(sizes) > self.SIZE_MEMORY:
+            del sizes[0]
+        while len(self.sizes) > self.DIRECTORIES:
+            self.sizes.popitem(last=False)

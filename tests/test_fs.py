@@ -403,3 +403,107 @@ def test_a_file_in_passthrough_mode_keeps_its_dram_copies(kv):
         assert f.read() == data
     assert kv.status()["passthrough"]["open_files"] == 0
     assert (kv.path / "held").read_bytes() == data
+
+
+# -- FUSE passthrough writers: new files the kernel writes straight into their DRAM file -----
+def _stream_opens(m) -> int:
+    return m.status()["passthrough"]["write_opens"]
+
+
+def _teach(m, directory, size: int) -> None:
+    """Close one file of *size* bytes in *directory*: files there are then expected at that
+    size (tiering.StreamingPolicy), and later write-only opens stream."""
+    (directory / "first").write_bytes(os.urandom(size))
+
+
+def test_new_files_are_written_straight_into_dram(kv):
+    d = kv.path / "blocks"
+    d.mkdir()
+    _teach(kv, d, 200_000)
+    opens = _stream_opens(kv)
+    data = os.urandom(200_000)
+    fd = os.open(d / "b", os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, data[:70_000])
+    assert os.stat(d / "b").st_size == 70_000  # the DRAM file's length, as it grows
+    reader = os.open(d / "b", os.O_RDONLY)  # every other open joins the DRAM file
+    assert os.read(reader, 70_000) == data[:70_000]
+    os.write(fd, data[70_000:])
+    assert os.pread(reader, 200_000, 0) == data
+    os.close(reader)
+    os.close(fd)
+    assert _stream_opens(kv) == opens + 1
+    assert (d / "b").read_bytes() == data
+    assert os.stat(d / "b").st_blocks * 512 >= 200_000
+    chunks = kv.where("blocks/b")
+    assert [c["chunk"] for c in chunks] == [0, 1, 2, 3] and all(c["dirty"] for c in chunks)
+
+
+def test_what_is_streamed_never_goes_unseen(kv):
+    """A directory's first file, read-write opens and O_DIRECT opens go through the daemon;
+    a file streamed into DRAM is demoted once closed, like any other."""
+    d = kv.path / "d"
+    d.mkdir()
+    opens = _stream_opens(kv)
+    (d / "first").write_bytes(os.urandom(100_000))
+    with open(d / "rw", "w+b") as f:
+        f.write(b"x" * 1000)
+    assert _stream_opens(kv) == opens
+    files = {f"s{i}": os.urandom(100_000) for i in range(60)}  # 6 MiB through 4 MiB
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    assert _stream_opens(kv) > opens
+    deadline = time.monotonic() + 10
+    while not any(kv.tiers(f"d/{n}") == {"nvme"} for n in files):
+        assert time.monotonic() < deadline, "nothing streamed was ever demoted"
+        time.sleep(0.1)
+    for name, data in files.items():
+        assert (d / name).read_bytes() == data
+
+
+def test_a_streamed_file_survives_a_crash_while_open(kv):
+    """SIGKILL while the kernel is writing: the remount takes what the DRAM file holds;
+    after losing DRAM too, what the last fsync took is what is left."""
+    d = kv.path / "c"
+    d.mkdir()
+    _teach(kv, d, 150_000)
+    data = os.urandom(150_000)
+    fd = os.open(d / "open", os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, data[:100_000])
+    os.fsync(fd)
+    os.write(fd, data[100_000:])
+    kv.kill()
+    os.close(fd)
+    kv.start()
+    assert (d / "open").read_bytes() == data
+    assert "was being written when the daemon stopped" in kv.log()
+    d = kv.path / "c2"  # a directory this daemon has seen a file closed in
+    d.mkdir()
+    _teach(kv, d, 150_000)
+    opens = _stream_opens(kv)
+    fd = os.open(d / "again", os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, data[:100_000])
+    os.fsync(fd)
+    os.write(fd, data[100_000:])
+    assert _stream_opens(kv) == opens + 1
+    kv.reboot()
+    os.close(fd)
+    kv.start()
+    assert (d / "again").read_bytes() == data[:100_000]
+
+
+def test_a_streamed_file_unlinked_while_open_frees_its_ram(kv):
+    d = kv.path / "u"
+    d.mkdir()
+    _teach(kv, d, 300_000)
+    before = kv.status()["tiers"]["dram"]["used_bytes"]
+    fd = os.open(d / "gone", os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, os.urandom(300_000))
+    os.unlink(d / "gone")
+    os.close(fd)
+    deadline = time.monotonic() + 10
+    while kv.status()["passthrough"]["writing_files"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert kv.status()["tiers"]["dram"]["used_bytes"] == before
+    files = os.listdir(kv.dram_dir / "files")
+    assert f"{os.stat(kv.path).st_ino:x}" not in files

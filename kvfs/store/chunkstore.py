@@ -73,6 +73,11 @@ PROMOTE_SHARE = 0.9
 # Files open in passthrough mode cannot lose their DRAM copies; they may hold at most this
 # share of the tier, so that writes always find room to demote into.
 PASSTHROUGH_SHARE = 0.5
+# Files the kernel writes straight into their DRAM file (passthrough writers, `start_stream`):
+# what they write is only counted when they close, so at most this many at once, each
+# expected to take at most this share of the DRAM tier's free room (and of the store's).
+STREAMS_MAX = 16
+STREAM_ROOM_SHARE = 0.25
 # Chunks per writeback batch (see ChunkStore.writeback_many): 4 x 256 KiB..1 MiB chunks keep
 # a worker busy ~1-2 ms, which is about the lead a write waiting for room can afford.
 WRITEBACK_BATCH = 4
@@ -147,6 +152,8 @@ class Counters:
     direct_writes: int = 0  # writes copied by the shim straight into DRAM (plan_write)
     passthrough_opens: int = 0  # opens the kernel serves from the DRAM file itself
     passthrough_chunks: int = 0  # ... their chunks (counted in chunks_from_dram too)
+    stream_opens: int = 0  # new files the kernel wrote straight into their DRAM file
+    streamed_chunks: int = 0  # ... chunks taken from them (at close or fsync)
     unpacked: int = 0  # DRAM hits that decoded a packed copy
 
 
@@ -242,6 +249,13 @@ class ChunkStore:
         # Files open in passthrough mode -> DRAM bytes they held when first opened.
         self._pinned: dict[int, int] = {}
         self.pinned_bytes = 0
+        # Files the kernel is writing straight into their DRAM file (start_stream), and the
+        # ones whose bytes are being taken (take_stream) -> done.
+        self.streaming: set[int] = set()
+        self._taking: dict[int, trio.Event] = {}
+        # Their sizes as found at mount (a crash while they were written): the assembly
+        # gives them to the namespace.
+        self.recovered_sizes: dict[int, int] = {}
         self._load()
 
     # -- startup ---------------------------------------------------------------------------
@@ -256,10 +270,18 @@ class ChunkStore:
         missing: set[int] = set()
         absent: dict[int, bool] = {}  # ino -> its DRAM file is missing
         owned: dict[int, list[tuple[int, int]]] = {}
+        # Files the kernel was writing into their DRAM file when the daemon stopped: what
+        # the DRAM file holds is newer than anything recorded (`_restream`).
+        restream = {from_u64(k) for k, _ in self.meta.scan("writers")}
+        if lost_dram:
+            restream = set()
         for k, v in self.meta.scan("chunks"):
             ino, c = from_key2(k)
             loc = Loc._make(_LOC.unpack(v))
             self.seq = max(self.seq, loc.seq + 1)
+            if ino in restream:
+                fixes.append((ino, c, None))  # replaced below; its NVMe record is dead
+                continue
             if arena is not None and loc.dram_slot >= 0:
                 loc = self._migrate_chunk(arena, ino, c, loc)
                 fixes.append((ino, c, loc))
@@ -298,12 +320,15 @@ class ChunkStore:
                     self.dirty_since[(ino, c)] = time.monotonic()
             if loc.seg:
                 self.nvme.segments[loc.seg].live_bytes += loc.rec_len
+        for ino in sorted(restream):
+            self._restream(ino, owned, fixes)
         self.reserved = sum(self.reservation(ino) for ino in self.allocated)
         self.dram.adopt(owned)
         # Chunks caught mid-write by a crash were never sealed: seal what is there now.
         with self.meta.write() as txn:
             # With the fixes: a migrated store must never be migrated again (slots are gone).
             self.meta.set_format(txn, 3)
+            txn.drop(self.meta.db["writers"], delete=False)
             for ino, c, loc in fixes:
                 self._store_loc(txn, ino, c, loc)
             for ino, c, loc in self.index.items():
@@ -318,6 +343,26 @@ class ChunkStore:
             log.info("DRAM tier: moved from the arena file to one file per inode")
         for seg in list(self.nvme.segments.values()):
             self.nvme._maybe_delete(seg)
+
+    def _restream(self, ino: int, owned: dict[int, list[tuple[int, int]]], fixes) -> None:
+        """At mount: a file the kernel was writing (passthrough) takes what its DRAM file
+        holds, as `take_stream` would have at its close: dirty chunks, sealed below with the
+        other unsealed ones. Its size goes to the namespace through `recovered_sizes`."""
+        if self.dram.missing(ino):
+            return
+        size = self.dram.size(ino)
+        self.recovered_sizes[ino] = size
+        for c in self.dram.data_chunks(ino):
+            loc = Loc(IN_DRAM, 0, 0, 0, min(self.cs, size - c * self.cs), 0, CODEC_RAW, 0, 0,
+                      self._next_seq())
+            fixes.append((ino, c, loc))
+            owned.setdefault(ino, []).append((c, loc.raw_len))
+            self.index.set(ino, c, tuple(loc))
+            self._account(ino, None, loc)
+            self.policy.inserted((ino, c))
+            self.dirty_since[(ino, c)] = time.monotonic()
+        log.warning("inode %d: was being written when the daemon stopped; kept as its DRAM "
+                    "file holds it (%d bytes)", ino, size)
 
     def _old_arena(self) -> mmap.mmap | None:
         """The DRAM arena of a format 1-2 store, if it survived: its chunks are moved into
@@ -453,7 +498,8 @@ class ChunkStore:
 
     @property
     def used(self) -> int:
-        return self.nvme_live + self.unbacked + self.reserved
+        return self.nvme_live + self.unbacked + self.reserved + (
+            self.unseen_bytes() if self.streaming else 0)
 
     def _check_capacity(self, growth: int, ino: int) -> None:
         if growth > 0 and ino in self.allocated:
@@ -896,6 +942,99 @@ class ChunkStore:
         self.dram.unpin(ino)
         if ino not in self.dram.pins:
             self.pinned_bytes -= self._pinned.pop(ino, 0)
+
+    # -- passthrough writers: the kernel writes a new file straight into its DRAM file --------
+    def can_stream(self, expected: int) -> bool:
+        """May one more new file, expected to reach *expected* bytes, be written by the
+        kernel without us (`start_stream`)? Not with dram_compress: the copies of such a
+        file stay raw until it is closed, and packing is what that option is for."""
+        room = min(self.dram.capacity - self.dram_load, self.capacity - self.used)
+        return (not self.dram_compress and len(self.streaming) < STREAMS_MAX
+                and pages(expected) <= STREAM_ROOM_SHARE * room)
+
+    def start_stream(self, ino: int) -> int:
+        """The kernel will write the (empty) file *ino* straight into its DRAM file (the
+        returned descriptor) until `take_stream(ino, done=True)`. Recorded in lmdb first, so
+        that a mount after a crash takes what the DRAM file holds (`_load`)."""
+        with self.meta.write() as txn:
+            txn.put(u64(ino), b"", db=self.meta.db["writers"])
+        self.streaming.add(ino)
+        self.dram.pin(ino)
+        self.counters.stream_opens += 1
+        return self.dram.extend(ino, 0)
+
+    def stream_size(self, ino: int) -> int:
+        """The length of a file being written by the kernel: its DRAM file's."""
+        return self.dram.size(ino)
+
+    def stream_blocks(self, ino: int) -> int:
+        """Bytes of RAM a file being written by the kernel holds so far."""
+        if self.dram.missing_open(ino):
+            return 0
+        return os.fstat(self.dram.fd(ino)).st_blocks * 512
+
+    async def take_stream(self, ino: int, *, done: bool) -> int:
+        """Take what the kernel wrote into *ino*'s DRAM file as the file's chunks (at an
+        fsync, or *done*: its last writer closed, and it is an ordinary file again). A chunk
+        whose bytes are still those of its sealed location (taken and written back by an
+        earlier fsync) keeps it: nothing is written twice, and what an fsync made durable
+        stays so. Any other chunk holding data becomes a dirty DRAM copy (new seq), sealed
+        if *done*; at an fsync the writers may still be changing it, so it is left for the
+        writeback to checksum what it reads. Chunks that are holes go. Returns the size."""
+        while (busy := self._taking.get(ino)) is not None:  # one take at a time per file
+            await busy.wait()
+        self._taking[ino] = trio.Event()
+        try:
+            return await self._take_stream(ino, done)
+        finally:
+            self._taking.pop(ino).set()
+
+    async def _take_stream(self, ino: int, done: bool) -> int:
+        size = self.stream_size(ino)
+        data = self.dram.data_chunks(ino)
+        lens = [min(self.cs, size - c * self.cs) for c in data]
+        sums = await self._hash_chunks(ino, [(c, Loc(IN_DRAM, 0, 0, 0, n, 0, CODEC_RAW, 0, 0, 0))
+                                             for c, n in zip(data, lens, strict=True)])
+        with self.meta.write() as txn:
+            for c in self.index.chunks_of(ino, 1 << 62):
+                if c not in set(data):
+                    self._replace(txn, ino, c, self.get(ino, c), None)
+            for c, n, csum in zip(data, lens, sums, strict=True):
+                old = self.get(ino, c)
+                if (old is not None and old.dram_slot >= 0 and old.flags & SEALED
+                        and (old.raw_len, old.checksum) == (n, csum)):
+                    continue
+                if old is None or old.dram_slot < 0:
+                    self.dram.claim(ino, c)
+                new = Loc(IN_DRAM, 0, 0, 0, n, 0, CODEC_RAW, SEALED if done else 0,
+                          csum if done else 0, self._next_seq())
+                self._replace(txn, ino, c, old, new)
+                self.counters.streamed_chunks += 1
+            if done:
+                txn.delete(u64(ino), db=self.meta.db["writers"])
+        if done:
+            self.streaming.discard(ino)
+            self.dram.unpin(ino)
+        if self.dram_load > self.high_water:
+            self.kick_demoter()
+        return size
+
+    def unseen_bytes(self) -> int:
+        """RAM that files the kernel is writing hold beyond what their chunks account for
+        (what was written since they were opened or last taken)."""
+        out = 0
+        for ino in self.streaming:
+            counted = sum(self.dram_pages((ino, c)) for c in self.index.chunks_of(ino, 1 << 62))
+            out += max(0, self.stream_blocks(ino) - counted)
+        return out
+
+    def end_stream(self, ino: int) -> None:
+        """The file being written by the kernel is gone (unlinked, last close) or could not
+        be opened so: nothing to take; `delete_file` frees what an fsync recorded."""
+        with self.meta.write() as txn:
+            txn.delete(u64(ino), db=self.meta.db["writers"])
+        self.streaming.discard(ino)
+        self.dram.unpin(ino)
 
     def resized(self, ino: int, size: int) -> None:
         """A file open in passthrough mode grew to *size* without a write (truncate up,
@@ -1477,6 +1616,8 @@ class ChunkStore:
 
     # -- introspection -----------------------------------------------------------------------
     def where(self, ino: int, size: int) -> list[dict]:
+        if ino in self.streaming:
+            return self._where_streaming(ino, size)
         out = []
         for c in self.index.chunks_of(ino, self._nchunks(size)):
             loc = self.get(ino, c)
@@ -1493,12 +1634,28 @@ class ChunkStore:
                         "lost": bool(loc.flags & LOST)})
         return out
 
+    def _where_streaming(self, ino: int, size: int) -> list[dict]:
+        """`where` of a file the kernel is writing: its DRAM file's chunks, all in DRAM,
+        dirty unless an fsync wrote them back."""
+        out = []
+        for c in self.dram.data_chunks(ino):
+            loc = self.get(ino, c)
+            clean = loc is not None and loc.seg > 0
+            out.append({"chunk": c, "tiers": ["dram", "nvme"] if clean else ["dram"],
+                        "packed": False, "raw_len": min(self.cs, size - c * self.cs),
+                        "stored_len": loc.stored_len if clean else 0, "codec": CODEC_RAW,
+                        "segment": loc.seg if clean else None, "dirty": not clean,
+                        "lost": False})
+        return out
+
     def stats(self) -> dict:
         k = self.counters
+        unseen = self.unseen_bytes() if self.streaming else 0
         segs = self.nvme.segments.values()
         return {
             "tiers": {
-                "dram": {"capacity_bytes": self.dram.capacity, "used_bytes": self.dram_used,
+                "dram": {"capacity_bytes": self.dram.capacity,
+                         "used_bytes": self.dram_used + unseen,
                          "logical_bytes": self.dram_logical, "chunks": self.dram_chunks,
                          "dirty_bytes": self.unbacked, "packed_chunks": self.dram_packed,
                          "files": len(self.dram.claims), "passthrough_files": len(self.dram.pins)},
@@ -1520,7 +1677,9 @@ class ChunkStore:
             "writes": {"direct_to_dram": k.direct_writes},
             # opens the kernel served from DRAM files without the daemon (FUSE passthrough)
             "passthrough": {"opens": k.passthrough_opens, "chunks": k.passthrough_chunks,
-                            "open_files": len(self.dram.pins)},
+                            "open_files": len(self.dram.pins),
+                            "write_opens": k.stream_opens, "written_chunks": k.streamed_chunks,
+                            "writing_files": len(self.streaming)},
             # files whose codec was chosen by trial vs taken from their directory (choices.py)
             "codec_choices": {"full": self.choices.full, "taken": self.choices.taken},
             "prefetch": {"issued_chunks": k.prefetch_issued, "used_chunks": k.prefetch_used,

@@ -268,6 +268,35 @@ class DramFiles:
             os.ftruncate(fd, size)
         return fd
 
+    def size(self, ino: int) -> int:
+        """Length of *ino*'s DRAM file (0 if it has none)."""
+        if self.missing_open(ino):
+            return 0
+        return os.fstat(self.fd(ino)).st_size
+
+    def data_chunks(self, ino: int) -> list[int]:
+        """Chunks of *ino*'s DRAM file that hold any data (a SEEK_DATA/SEEK_HOLE walk): what
+        a writer put there without telling us (passthrough writes)."""
+        if self.missing_open(ino):
+            return []
+        return self._data_chunks(self.fd(ino), self.chunk_size)
+
+    @staticmethod
+    def _data_chunks(fd: int, chunk_size: int) -> list[int]:
+        end = os.fstat(fd).st_size
+        out: list[int] = []
+        pos = 0
+        while pos < end:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:  # ENXIO: no data after pos
+                break
+            stop = min(end, os.lseek(fd, start, os.SEEK_HOLE))
+            first, last = start // chunk_size, (stop - 1) // chunk_size
+            out.extend(c for c in range(first, last + 1) if not out or c > out[-1])
+            pos = stop
+        return out
+
     # -- byte movement (trio thread; workers use held files) ---------------------------------
     def write(self, ino: int, c: int, start: int, data) -> None:
         """Copy *data* into region (ino, c) at *start*."""

@@ -220,6 +220,8 @@ def test_fsync_survives_losing_dram(kv):
         f.flush()
         os.fsync(f.fileno())
     (kv.path / "volatile").write_bytes(b"v" * 1000)
+    # its close reaches the daemon after close() returns: let it land
+    _wait(lambda: kv.status()["passthrough"]["writing_files"] == 0)
     kv.reboot()
     kv.start()
     assert (kv.path / "durable").read_bytes() == data
@@ -664,6 +666,7 @@ def test_an_arena_store_moves_to_dram_files_at_mount(mount_factory, old_format):
     for name, data in durable.items():
         _write_durably(m.path / name, data)  # clean copies (packed under format 2)
     dirty = _fill(m, "d", 3, CHUNK + 1000)  # only in DRAM
+    _wait(lambda: m.status()["passthrough"]["writing_files"] == 0)  # their closes landed
     m.kill()
     _to_arena_layout(m, old_format)
     m.start()
