@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 SEALED = 1  # checksum covers the current bytes
 LOST = 2  # the only copy was in DRAM and DRAM was lost (reboot): reads fail with EIO
 PACKED = 4  # the DRAM region holds the NVMe record's payload, not the raw bytes (format 2)
+# Bytes past raw_len were written, then lost with DRAM (the chunk went back to its shadow):
+# reads there fail with EIO instead of reading zeros (format 3).
+TAIL_LOST = 8
 IN_DRAM = 0  # dram_slot of a chunk with a DRAM copy (format 3: the region is implied)
 STREAM_USER = 0
 STREAM_GC = 1
@@ -249,6 +252,9 @@ class ChunkStore:
         # Files open in passthrough mode -> DRAM bytes they held when first opened.
         self._pinned: dict[int, int] = {}
         self.pinned_bytes = 0
+        # Chunks written over in DRAM -> the NVMe-only location of their last written-back
+        # bytes, until the new ones are written back (`_shadow`).
+        self.shadows: dict[tuple[int, int], Loc] = {}
         # Files the kernel is writing straight into their DRAM file (start_stream), and the
         # ones whose bytes are being taken (take_stream) -> done.
         self.streaming: set[int] = set()
@@ -322,6 +328,7 @@ class ChunkStore:
                 self.nvme.segments[loc.seg].live_bytes += loc.rec_len
         for ino in sorted(restream):
             self._restream(ino, owned, fixes)
+        stale_shadows = self._load_shadows(fixes)
         self.reserved = sum(self.reservation(ino) for ino in self.allocated)
         self.dram.adopt(owned)
         # Chunks caught mid-write by a crash were never sealed: seal what is there now.
@@ -331,6 +338,8 @@ class ChunkStore:
             txn.drop(self.meta.db["writers"], delete=False)
             for ino, c, loc in fixes:
                 self._store_loc(txn, ino, c, loc)
+            for key in stale_shadows:
+                txn.delete(key2(*key), db=self.meta.db["shadows"])
             for ino, c, loc in self.index.items():
                 loc = Loc._make(loc)
                 if loc.dram_slot >= 0 and not loc.flags & SEALED:
@@ -343,6 +352,34 @@ class ChunkStore:
             log.info("DRAM tier: moved from the arena file to one file per inode")
         for seg in list(self.nvme.segments.values()):
             self.nvme._maybe_delete(seg)
+
+    def _load_shadows(self, fixes) -> list[tuple[int, int]]:
+        """At mount: keep the shadows of chunks still dirty in DRAM; a chunk whose only copy
+        was lost with DRAM goes back to its shadow (the bytes last written back, which an
+        fsync may have promised). Returns the keys of shadows that are no more."""
+        stale = []
+        for k, v in self.meta.scan("shadows"):
+            key = from_key2(k)
+            shadow = Loc._make(_LOC.unpack(v))
+            now = self.get(*key)
+            if (now is None or now.seg or shadow.seg not in self.nvme.segments
+                    or not (now.dram_slot >= 0 or now.flags & LOST)):
+                stale.append(key)  # written back meanwhile, gone, or its segment is
+                continue
+            self.nvme.segments[shadow.seg].live_bytes += shadow.rec_len
+            if now.dram_slot >= 0:
+                self.shadows[key] = shadow
+                self.nvme_live += shadow.rec_len
+                continue
+            log.warning("inode %d chunk %d: back to the bytes last written back (the newer "
+                        "ones were only in DRAM, which is gone)", *key)
+            if now.raw_len > shadow.raw_len:  # what was written past them is lost: EIO
+                shadow = shadow._replace(flags=shadow.flags | TAIL_LOST)
+            self.index.set(*key, tuple(shadow))
+            self._account(key[0], now, shadow)
+            fixes.append((*key, shadow))
+            stale.append(key)
+        return stale
 
     def _restream(self, ino: int, owned: dict[int, list[tuple[int, int]]], fixes) -> None:
         """At mount: a file the kernel was writing (passthrough) takes what its DRAM file
@@ -469,8 +506,13 @@ class ChunkStore:
             self.meta.after_commit(lambda: self.dram.release(ino, c, length))
         if old is not None and old.seg and (new is None or (new.seg, new.off) !=
                                             (old.seg, old.off)):
-            seg, rec_len = old.seg, old.rec_len
-            self.meta.after_commit(lambda: self.nvme.mark_dead(seg, rec_len))
+            if new is not None and not new.seg and key not in self.shadows:
+                self._shadow(txn, key, nvme_only(old))  # written over: kept until written back
+            else:
+                seg, rec_len = old.seg, old.rec_len
+                self.meta.after_commit(lambda: self.nvme.mark_dead(seg, rec_len))
+        if key in self.shadows and (new is None or new.seg):
+            self._unshadow(txn, key)  # the new bytes are on NVMe (or the chunk is gone)
         if new is not None and new.dram_slot >= 0:
             if old is None or old.dram_slot != new.dram_slot:
                 self.policy.inserted(key)
@@ -478,6 +520,29 @@ class ChunkStore:
                 self.dirty_since.setdefault(key, time.monotonic())
             else:
                 self.dirty_since.pop(key, None)
+
+    def _shadow(self, txn, key: tuple[int, int], loc: Loc) -> None:
+        """A chunk's NVMe record (*loc*) is written over in DRAM: keep it, in lmdb's
+        `shadows`, until the new bytes are written back. An fsync may have made it durable,
+        and a DRAM tier lost before that writeback must take the chunk back to it, not lose
+        it (`_load`)."""
+        self.shadows[key] = loc
+        txn.put(key2(*key), _LOC.pack(*loc), db=self.meta.db["shadows"])
+        self.nvme_live += loc.rec_len
+
+    def _unshadow(self, txn, key: tuple[int, int]) -> None:
+        loc = self.shadows.pop(key)
+        txn.delete(key2(*key), db=self.meta.db["shadows"])
+        self.nvme_live -= loc.rec_len
+        self.meta.after_commit(lambda: self.nvme.mark_dead(loc.seg, loc.rec_len))
+
+    def live_record(self, ino: int, c: int, seg: int, off: int, seq: int) -> Loc | None:
+        """The location (the chunk's, or its shadow) that names the record at (*seg*,
+        *off*) with *seq*, or None if that record is dead (the cleaner's question)."""
+        for loc in (self.get(ino, c), self.shadows.get((ino, c))):
+            if loc is not None and (loc.seg, loc.off, loc.seq) == (seg, off, seq):
+                return loc
+        return None
 
     def get(self, ino: int, c: int) -> Loc | None:
         t = self.index.get(ino, c)
@@ -626,6 +691,9 @@ class ChunkStore:
                 return bytes(length)
             if loc.flags & LOST:
                 raise ChunkError(f"inode {ino} chunk {c}: its only copy was lost with DRAM")
+            if loc.flags & TAIL_LOST and start + length > loc.raw_len:
+                raise ChunkError(f"inode {ino} chunk {c}: its bytes past {loc.raw_len} were "
+                                 f"lost with DRAM")
             if loc.flags & PACKED:
                 data = await self._unpack(ino, c, loc)
                 if data is None:
@@ -1469,13 +1537,20 @@ class ChunkStore:
                     raise NoSpace() from None
 
     def relocated(self, ino: int, c: int, old: Loc, seg: int, off: int, rec_len: int) -> None:
-        """The cleaner copied a record: point the chunk at the copy if nothing changed."""
+        """The cleaner copied a record: point the chunk (or its shadow) at the copy if
+        nothing changed."""
         now = self.get(ino, c)
-        if now is None or (now.seg, now.off, now.seq) != (old.seg, old.off, old.seq):
+        shadow = self.shadows.get((ino, c))
+        if now is not None and (now.seg, now.off, now.seq) == (old.seg, old.off, old.seq):
+            with self.meta.write() as txn:
+                self._replace(txn, ino, c, now, now._replace(seg=seg, off=off, rec_len=rec_len))
+        elif shadow is not None and (shadow.seg, shadow.off, shadow.seq) == (
+                old.seg, old.off, old.seq):
+            with self.meta.write() as txn:
+                self._unshadow(txn, (ino, c))
+                self._shadow(txn, (ino, c), shadow._replace(seg=seg, off=off, rec_len=rec_len))
+        else:
             self.nvme.mark_dead(seg, rec_len)
-            return
-        with self.meta.write() as txn:
-            self._replace(txn, ino, c, now, now._replace(seg=seg, off=off, rec_len=rec_len))
 
     def _encode(self, data: bytearray, loc: Loc, codec_id: int | None, hint: str | None,
                 expected: int | None):

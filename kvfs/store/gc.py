@@ -228,12 +228,12 @@ class Cleaner:
             records = await trio.to_thread.run_sync(self.nvme.scan, seg.seg_id,
                                                     limiter=store.limiter)
             for off, h in records:
-                loc = store.get(h.ino, h.chunk)
-                if loc is None or (loc.seg, loc.off) != (seg.seg_id, off) or loc.seq != h.seq:
+                if store.live_record(h.ino, h.chunk, seg.seg_id, off, h.seq) is None:
                     continue
                 await self._foreground_first(mode)
-                loc = store.get(h.ino, h.chunk)  # it may have changed while we waited
-                if loc is None or (loc.seg, loc.off) != (seg.seg_id, off) or loc.seq != h.seq:
+                # it may have changed while we waited
+                loc = store.live_record(h.ino, h.chunk, seg.seg_id, off, h.seq)
+                if loc is None:
                     continue
                 try:
                     dst = await self._move(seg, off, h, loc)

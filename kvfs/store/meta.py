@@ -40,7 +40,7 @@ READABLE_FORMATS = (1, 2, 3)
 _U64 = struct.Struct(">Q")
 _KEY2 = struct.Struct(">QQ")
 TABLES = (b"super", b"inodes", b"dirents", b"symlinks", b"xattrs", b"chunks", b"counters",
-          b"alloc", b"successors", b"writers")
+          b"alloc", b"successors", b"writers", b"shadows")
 
 
 class FormatError(Exception):

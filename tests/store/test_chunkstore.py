@@ -232,6 +232,63 @@ def test_fsync_survives_losing_dram(kv):
     assert ei.value.errno == errno.EIO
 
 
+def test_fsynced_bytes_survive_losing_dram_after_being_written_over(kv):
+    """A write into a chunk whose bytes an fsync made durable keeps that NVMe copy (its
+    shadow) until the new bytes are written back: with DRAM lost meanwhile, the chunk goes
+    back to what the fsync promised instead of being lost."""
+    data = os.urandom(100_000)
+    with open(kv.path / "log", "w+b") as f:  # read-write: through the daemon
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+        f.write(b"appended" * 1000)  # into chunk 1, which held fsync'd bytes, and chunk 2
+        f.seek(10)
+        f.write(b"overwritten")  # chunk 0 too
+    kv.reboot()
+    kv.start()
+    fd = os.open(kv.path / "log", os.O_RDONLY)
+    try:
+        assert os.pread(fd, 100_000, 0) == data
+        with pytest.raises(OSError) as ei:  # what was appended is lost: EIO, never zeros
+            os.pread(fd, 10, 100_000)
+        assert ei.value.errno == errno.EIO
+    finally:
+        os.close(fd)
+    assert "back to the bytes last written back" in kv.log()
+    with open(kv.path / "log", "r+b") as f:  # writing there again makes it readable
+        f.seek(100_000)
+        f.write(b"z" * 8000)
+    assert (kv.path / "log").read_bytes() == data + b"z" * 8000
+
+
+def test_shadows_move_with_cleaning_and_go_with_writeback(kv):
+    """A shadow's record stays live for the cleaner until the chunk is written back."""
+    files = {f"s{i}": os.urandom(130_000) for i in range(30)}
+    for name, data in files.items():
+        with open(kv.path / name, "w+b") as f:
+            f.write(data)
+            os.fsync(f.fileno())
+    for name in files:  # written over in DRAM: every fsync'd chunk 0 gets a shadow
+        with open(kv.path / name, "r+b") as f:
+            f.write(b"new")
+        files[name] = b"new" + files[name][3:]
+    for i in range(120):  # churn: cleaning runs while the shadows live
+        (kv.path / f"churn{i % 20}").write_bytes(os.urandom(200_000))
+    for name, data in files.items():
+        assert (kv.path / name).read_bytes() == data
+    kv.unmount()  # writes everything back: no shadow is left
+    from kvfs.store.meta import MetaStore
+
+    meta = MetaStore(str(kv.nvme_dir / "meta"))
+    try:
+        assert list(meta.scan("shadows")) == []
+    finally:
+        meta.close()
+    kv.start()
+    for name, data in files.items():
+        assert (kv.path / name).read_bytes() == data
+
+
 def _flip_byte(path: Path, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
