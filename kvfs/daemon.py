@@ -168,6 +168,8 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         shim.want_passthrough(s.passthrough)
         if s.passthrough:
             asm.ops.shim = shim
+        shim.set_no_capabilities(not asm.ns.security_xattrs)
+        asm.ns.on_security_xattr = lambda: shim.set_no_capabilities(False)
     options = set(pyfuse3.default_options)
     options |= {"fsname=kvfs", "subtype=kvfs"}
     if s.allow_other:

@@ -520,15 +520,22 @@ class Operations(pyfuse3.Operations):
             await self.store.seal(h.ino, node.size)
         self._maybe_free(node)
 
+    def _sized(self, node: Inode) -> Callable[[int], None]:
+        """The inode update of a take of what the kernel wrote: it is now *size* bytes."""
+        def sized(size: int) -> None:
+            node.size = size
+            node.mtime_ns = node.ctime_ns = time.time_ns()
+            self.ns.save(node)
+
+        return sized
+
     async def _end_writing(self, ino: int, node: Inode | None) -> None:
         """The last writer of a file the kernel wrote into its DRAM file closed: the store
         takes its bytes. Opens of it meanwhile wait (`_finishing`): the bytes must be still."""
         done = self._finishing[ino] = trio.Event()
         try:
             if node is not None and node.nlink > 0:
-                node.size = await self.store.take_stream(ino, done=True)
-                node.mtime_ns = node.ctime_ns = time.time_ns()
-                self.ns.save(node)
+                await self.store.take_stream(ino, done=True, on_commit=self._sized(node))
             else:
                 self.store.end_stream(ino)
         finally:
@@ -542,8 +549,7 @@ class Operations(pyfuse3.Operations):
         node = self._current(self.ns.get(h.ino))
         if h.ino in self.writers and h.ino not in self._finishing:
             # what the kernel wrote so far becomes the file's chunks
-            node.size = await self.store.take_stream(h.ino, done=False)
-            self.ns.save(node)
+            await self.store.take_stream(h.ino, done=False, on_commit=self._sized(node))
         await self.store.fsync(h.ino, node.size)
 
     # -- directories -----------------------------------------------------------------------

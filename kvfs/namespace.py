@@ -89,6 +89,10 @@ class Namespace:
         # The policy hints every writeback reads (HINT_XATTRS), also kept here: an lmdb read
         # transaction on the trio thread costs more than a dict walk and lets go of the GIL.
         self._hints: dict[bytes, dict[int, bytes]] = {n: {} for n in HINT_XATTRS}
+        # Has any file ever had a security.* xattr (file capabilities)? While none has, the
+        # kernel's question before each passthrough write can be answered without us.
+        self.security_xattrs = False
+        self.on_security_xattr = lambda: None
         self.next_ino = ROOT_INODE + 1
         self._load()
 
@@ -108,6 +112,8 @@ class Namespace:
         for k, v in self.meta.scan("xattrs"):
             if k[8:] in HINT_XATTRS:
                 self._hints[k[8:]][from_u64(k[:8])] = v
+            if k[8:].startswith(b"security."):
+                self.security_xattrs = True
         if ROOT_INODE not in self.inodes:
             now = time.time_ns()
             root = Inode(ROOT_INODE, stat.S_IFDIR | 0o755, nlink=2, atime_ns=now, mtime_ns=now,
@@ -401,6 +407,9 @@ class Namespace:
             self._put(txn, inode)
         if name in HINT_XATTRS:
             self._hints[name][ino] = value
+        if name.startswith(b"security.") and not self.security_xattrs:
+            self.security_xattrs = True
+            self.on_security_xattr()
 
     def removexattr(self, ino: int, name: bytes) -> None:
         inode = self.get(ino)

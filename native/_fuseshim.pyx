@@ -67,6 +67,20 @@ cdef extern from *:
 
     /* Writes into DRAM: see Operations.write_plan. The plan is (token, fd, ((pos, len), ...));
        None means "pyfuse3's handler", an int is an errno to answer. */
+    /* getxattr("security.capability"), which the kernel asks before every passthrough write
+       (to drop file capabilities), answered ENODATA here while no file has any security.*
+       xattr (kvfs_no_caps, kept by the namespace): one Python request less per write. */
+    static int kvfs_no_caps = 0;
+    static void (*kvfs_pyfuse3_getxattr)(fuse_req_t, fuse_ino_t, const char *, size_t) = NULL;
+
+    static void kvfs_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name, size_t size) {
+        if (kvfs_no_caps && strcmp(name, "security.capability") == 0) {
+            fuse_reply_err(req, ENODATA);
+            return;
+        }
+        kvfs_pyfuse3_getxattr(req, ino, name, size);
+    }
+
     static PyObject *kvfs_write_plan_fn = NULL;
     static PyObject *kvfs_write_done_fn = NULL;
     static void (*kvfs_pyfuse3_write_buf)(fuse_req_t, fuse_ino_t, struct fuse_bufvec *, off_t,
@@ -172,6 +186,10 @@ cdef extern from *:
         if (kvfs_ops.write_buf != NULL) {
             kvfs_pyfuse3_write_buf = kvfs_ops.write_buf;
             kvfs_ops.write_buf = kvfs_write_buf;
+        }
+        if (kvfs_ops.getxattr != NULL) {
+            kvfs_pyfuse3_getxattr = kvfs_ops.getxattr;
+            kvfs_ops.getxattr = kvfs_getxattr;
         }
         return real(args, &kvfs_ops, sizeof kvfs_ops, userdata);
     }
@@ -396,6 +414,7 @@ cdef extern from *:
     int kvfs_shim_active
     int kvfs_pt_wanted
     int kvfs_pt_granted
+    int kvfs_no_caps
     int kvfs_backing_open(int fd)
     int kvfs_backing_close(int id)
     void kvfs_pt_mark(unsigned long long fh, int id, int direct)
@@ -453,3 +472,10 @@ def mark_passthrough(unsigned long long fh, int backing_id, bint direct=False) -
     only requires every open of an inode in passthrough mode to carry its backing file);
     call just before returning that FileInfo (nothing else may reply first)."""
     kvfs_pt_mark(fh, backing_id, 1 if direct else 0)
+
+
+def set_no_capabilities(bint none) -> None:
+    """*none*: no file has a security.* xattr, so getxattr("security.capability") is answered
+    ENODATA without asking Python (it comes before every passthrough write)."""
+    global kvfs_no_caps
+    kvfs_no_caps = 1 if none else 0

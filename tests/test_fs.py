@@ -507,3 +507,18 @@ def test_a_streamed_file_unlinked_while_open_frees_its_ram(kv):
     assert kv.status()["tiers"]["dram"]["used_bytes"] == before
     files = os.listdir(kv.dram_dir / "files")
     assert f"{os.stat(kv.path).st_ino:x}" not in files
+
+
+def test_security_capability_is_answered_truthfully(kv):
+    """The shim answers getxattr("security.capability") itself (the kernel asks before each
+    passthrough write) only while no file has a security.* xattr."""
+    p = kv.path / "cap"
+    p.write_bytes(b"x")
+    assert _err(os.getxattr, p, "security.capability") == errno.ENODATA
+    value = b"\x01\x00\x00\x02" + bytes(16)
+    os.setxattr(p, "security.capability", value)
+    assert os.getxattr(p, "security.capability") == value
+    assert _err(os.getxattr, kv.path / "cap", "security.other") == errno.ENODATA
+    kv.unmount()
+    kv.start()
+    assert os.getxattr(p, "security.capability") == value

@@ -1041,23 +1041,25 @@ class ChunkStore:
             return 0
         return os.fstat(self.dram.fd(ino)).st_blocks * 512
 
-    async def take_stream(self, ino: int, *, done: bool) -> int:
+    async def take_stream(self, ino: int, *, done: bool,
+                          on_commit: Callable[[int], None] | None = None) -> int:
         """Take what the kernel wrote into *ino*'s DRAM file as the file's chunks (at an
         fsync, or *done*: its last writer closed, and it is an ordinary file again). A chunk
         whose bytes are still those of its sealed location (taken and written back by an
         earlier fsync) keeps it: nothing is written twice, and what an fsync made durable
         stays so. Any other chunk holding data becomes a dirty DRAM copy (new seq), sealed
         if *done*; at an fsync the writers may still be changing it, so it is left for the
-        writeback to checksum what it reads. Chunks that are holes go. Returns the size."""
+        writeback to checksum what it reads. Chunks that are holes go. Returns the size;
+        *on_commit(size)* runs inside the commit (the caller's inode update rides along)."""
         while (busy := self._taking.get(ino)) is not None:  # one take at a time per file
             await busy.wait()
         self._taking[ino] = trio.Event()
         try:
-            return await self._take_stream(ino, done)
+            return await self._take_stream(ino, done, on_commit)
         finally:
             self._taking.pop(ino).set()
 
-    async def _take_stream(self, ino: int, done: bool) -> int:
+    async def _take_stream(self, ino: int, done: bool, on_commit) -> int:
         size = self.stream_size(ino)
         data = self.dram.data_chunks(ino)
         lens = [min(self.cs, size - c * self.cs) for c in data]
@@ -1080,6 +1082,8 @@ class ChunkStore:
                 self.counters.streamed_chunks += 1
             if done:
                 txn.delete(u64(ino), db=self.meta.db["writers"])
+            if on_commit is not None:
+                on_commit(size)
         if done:
             self.streaming.discard(ino)
             self.dram.unpin(ino)
