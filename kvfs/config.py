@@ -96,6 +96,12 @@ class Settings:
     # FUSE passthrough (Linux 6.9+): a file opened for reading whose chunks are all in DRAM
     # is read by the kernel straight from its DRAM file, without a request to the daemon.
     passthrough: bool = True
+    # Give the DRAM tier a tmpfs of its own at dram_dir, with transparent huge pages
+    # (huge=within_size), if dram_dir is not a mountpoint yet and holds nothing: 2 MiB pages
+    # make writing, reading and hashing a dense DRAM file ~1.5x faster here than 4 KiB ones.
+    # Off by default: a sparse file's scattered chunks would each take a whole 2 MiB page,
+    # and the mount's size (2 x dram_size) would then be reached long before the tier is.
+    dram_huge: bool = False
     # Compression on the NVMe tier.
     compress: bool = True
     # Keep clean DRAM copies (prefetched, promoted, written back) compressed as on NVMe: more
@@ -154,7 +160,7 @@ class Settings:
 
 
 _BOOL_OPTIONS = {"cache_mode", "foreground", "debug", "allow_other", "compress", "prefetch",
-                 "dram_prefault", "dram_compress", "passthrough"}
+                 "dram_prefault", "dram_compress", "passthrough", "dram_huge"}
 _FLOAT_OPTIONS = {"dram_high_watermark", "dram_low_watermark"}
 _INT_OPTIONS = {"io_threads", "readahead_chunks", "streams", "prefetch_concurrency"}
 # Generic mount options that mount(8) passes along and kvfs has nothing to do with.

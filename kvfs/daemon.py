@@ -18,7 +18,7 @@ import trio
 
 from kvfs.config import ConfigError, Settings, format_size
 from kvfs.profile import from_environment
-from kvfs.store.dram import is_tmpfs
+from kvfs.store.dram import is_tmpfs, own_tmpfs
 from kvfs.store.meta import FormatError
 
 log = logging.getLogger(__name__)
@@ -154,6 +154,8 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
     lock = None
     try:
         lock = _lock(s.nvme_dir)
+        if s.dram_huge:
+            log.info("DRAM tier: %s", own_tmpfs(s.dram_dir, 2 * s.dram_size))
         asm = Assembly(s)
     except Exception as exc:
         msg = str(exc) if isinstance(exc, (ConfigError, MountError, FormatError)) else repr(exc)

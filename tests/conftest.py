@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from kvfs.store.dram import remove_dram_dir
+
 KVFS = [sys.executable, "-m", "kvfs"]
 # Small enough that a few MiB of writes demote to NVMe; 64 KiB chunks make multi-chunk files
 # out of small ones.
@@ -97,7 +99,16 @@ class Mount:
     def reboot(self) -> None:
         """Simulate losing the DRAM tier (power loss): SIGKILL and delete the tmpfs dir."""
         self.kill()
-        shutil.rmtree(self.dram_dir, ignore_errors=True)
+        self.lose_dram()
+
+    def lose_dram(self) -> None:
+        """Empty the DRAM tier, as a reboot would (the daemon must not be running). What it
+        holds goes; the directory itself may be the tmpfs the daemon mounted: it stays."""
+        for entry in self.dram_dir.iterdir() if self.dram_dir.exists() else ():
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
 
     def log(self) -> str:
         try:
@@ -139,7 +150,7 @@ def mount_factory(tmp_path):
                 except ProcessLookupError:
                     pass
             subprocess.run(["fusermount3", "-u", "-z", str(m.path)], capture_output=True)
-        shutil.rmtree(m.dram_dir, ignore_errors=True)
+        remove_dram_dir(str(m.dram_dir))  # and the tmpfs of its own the daemon mounted
 
 
 @pytest.fixture

@@ -4,12 +4,13 @@ of mounting (kvfs mount, mount.kvfs, mount -t fuse.kvfs, fstab) works."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import uuid
 
 import pytest
+
+from kvfs.store.dram import remove_dram_dir
 
 KVFS = [sys.executable, "-m", "kvfs"]
 
@@ -25,7 +26,7 @@ def dirs(tmp_path):
     dram = f"/dev/shm/kvfs-test-{uuid.uuid4().hex[:12]}"
     yield mnt, dram, tmp_path / "nvme"
     subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
-    shutil.rmtree(dram, ignore_errors=True)
+    remove_dram_dir(dram)
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -126,3 +127,23 @@ def test_foreground_sigterm_unmounts(dirs):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_dram_tier_gets_a_huge_page_tmpfs_of_its_own(mount_factory):
+    """An empty DRAM directory becomes a tmpfs of its own with transparent huge pages, sized
+    twice the tier; a directory that holds a DRAM tier already is never mounted over."""
+    m = mount_factory(dram_size="8M", dram_huge="1")
+    with open("/proc/self/mountinfo") as f:
+        line = next(ln for ln in f if ln.split()[4] == str(m.dram_dir))
+    assert " tmpfs kvfs-dram " in line and "huge=within_size" in line, line
+    assert "size=16384k" in line, line
+    m.unmount()
+    m.start()  # a mount already: kept, with what it holds
+    assert "is a mount already" in m.log()
+    m.unmount()
+    other = mount_factory(start=False, dram_huge="1")
+    other.dram_dir.mkdir()
+    (other.dram_dir / "something").write_text("kept")
+    other.start()
+    assert "no huge-page tmpfs mounted over it" in other.log()
+    assert not os.path.ismount(other.dram_dir)

@@ -62,6 +62,10 @@ from collections import OrderedDict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from kvfs.store.dram import remove_dram_dir  # noqa: E402
+
 KVFS = [sys.executable, "-m", "kvfs"]
 MIB = 1 << 20
 CONFIGS = {"off": {"streams": 1}, "two": {"streams": 2}, "on": {"streams": 4},
@@ -108,7 +112,7 @@ class Mount:
                            timeout=300, cwd=REPO)
         if r.returncode:
             subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
-        shutil.rmtree(self.dram, ignore_errors=True)
+        remove_dram_dir(str(self.dram))
         shutil.rmtree(self.base, ignore_errors=True)
 
 

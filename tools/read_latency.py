@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvfs.config import format_size, parse_size  # noqa: E402
+from kvfs.store.dram import remove_dram_dir  # noqa: E402
 
 
 def _wait_mounted(path: Path, timeout: float = 20.0) -> None:
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        remove_dram_dir(str(shm / "dram"))
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(base, ignore_errors=True)
     return 0

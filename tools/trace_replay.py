@@ -64,6 +64,7 @@ sys.path.insert(0, str(ROOT))
 import xxhash  # noqa: E402
 
 from kvfs.config import format_size, parse_size  # noqa: E402
+from kvfs.store.dram import remove_dram_dir  # noqa: E402
 
 
 # -- the trace ---------------------------------------------------------------------------------
@@ -383,14 +384,14 @@ def mount_and_replay(mode: str, reqs: list[Request], blocks: Blocks, cap_blocks:
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if r.returncode:
         shutil.rmtree(base, ignore_errors=True)
-        shutil.rmtree(dram, ignore_errors=True)  # the daemon may have made its arena already
+        remove_dram_dir(str(dram))  # the daemon may have made its DRAM tier already
         raise SystemExit(f"mount failed: {r.stderr}")
     try:
         replay(reqs, mnt, blocks, run, args)
     finally:
         subprocess.run([sys.executable, "-m", "kvfs", "umount", str(mnt)], cwd=ROOT,
                        capture_output=True, timeout=600)
-        shutil.rmtree(dram, ignore_errors=True)
+        remove_dram_dir(str(dram))
         if args.keep:
             print(f"  kept {base}", file=sys.stderr)
         else:

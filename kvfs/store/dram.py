@@ -28,6 +28,8 @@ stays open, even if the file is disposed of meanwhile, until the last holder dro
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import itertools
 import logging
@@ -38,6 +40,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvfs.store.osutil import punch_hole
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                        ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+MS_NOSUID, MS_NODEV = 2, 4
+MNT_DETACH = 2
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +68,41 @@ def is_tmpfs(path: str) -> bool:
             if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
                 best, fstype = mnt, parts[sep + 1]
     return fstype in ("tmpfs", "ramfs")
+
+
+def own_tmpfs(directory: str, size: int) -> str:
+    """Mount a tmpfs with transparent huge pages at *directory* for the DRAM tier, unless it
+    is a mountpoint already or holds anything (a DRAM tier kept from before must not be
+    hidden). Returns what was done, for the log; never raises (the tier works without)."""
+    if os.path.ismount(directory):
+        return f"{directory} is a mount already: kept as it is"
+    if os.path.isdir(directory) and os.listdir(directory):
+        return f"{directory} holds a DRAM tier already: no huge-page tmpfs mounted over it"
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    opts = f"size={size},huge=within_size,mode=0700".encode()
+    if _libc.mount(b"kvfs-dram", directory.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
+                   opts) != 0:
+        err = ctypes.get_errno()
+        return f"no huge-page tmpfs at {directory} ({os.strerror(err)}): using the directory"
+    return f"mounted a huge-page tmpfs of {size >> 20} MiB at {directory}"
+
+
+def remove_dram_dir(directory: str) -> None:
+    """Delete a DRAM tier for good (benchmarks, tests): its tmpfs of its own unmounted
+    (`own_tmpfs`), its files removed."""
+    if os.path.ismount(directory) and _mount_source(directory) == "kvfs-dram":
+        _libc.umount2(directory.encode(), MNT_DETACH)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _mount_source(path: str) -> str | None:
+    real = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            if parts[4].replace("\\040", " ") == real:
+                return parts[parts.index("-") + 2]
+    return None
 
 
 def pages(n: int) -> int:

@@ -4,7 +4,6 @@ metrics in `kvfsctl status`."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import threading
@@ -115,7 +114,7 @@ def test_learned_order_survives_a_restart(kv):
     for i, n in enumerate(names):
         write(kv, n, block("R", i))
     kv.unmount()
-    shutil.rmtree(kv.dram_dir)  # everything is on NVMe now, nothing in DRAM
+    kv.lose_dram()  # everything is on NVMe now, nothing in DRAM
     kv.start()
     assert all(on_nvme_only(kv, n) for n in names)
     assert in_thread(read, kv, names[0]) == block("R", 0)
@@ -125,7 +124,7 @@ def test_learned_order_survives_a_restart(kv):
     # A deleted file's edges are gone after the next restart: the chain breaks there.
     (kv.path / names[5]).unlink()
     kv.unmount()
-    shutil.rmtree(kv.dram_dir)
+    kv.lose_dram()
     kv.start()
     assert in_thread(read, kv, names[4]) == block("R", 4)
     time.sleep(0.3)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -159,9 +158,8 @@ def test_remount_keeps_everything(kv):
     assert os.readlink(kv.path / "d" / "link") == "../f1"
     # A clean unmount writes dirty chunks back: even losing DRAM now loses nothing.
     kv.unmount()
-    import shutil
 
-    shutil.rmtree(kv.dram_dir)
+    kv.lose_dram()
     kv.start()
     _check(kv, files)
 
@@ -352,9 +350,8 @@ def test_corrupt_nvme_record_is_eio(kv, content):
     codecs = {c["codec"] for c in kv.where(victim)}
     assert (0 in codecs) == (content == "random"), codecs
     kv.unmount()
-    import shutil
 
-    shutil.rmtree(kv.dram_dir)  # make sure the read has to come from NVMe
+    kv.lose_dram()  # make sure the read has to come from NVMe
     path = kv.nvme_dir / "segments" / f"seg-{seg:08d}.kvs"
     raw = bytearray(path.read_bytes())
     for off in range(4096, len(raw), 4096):  # a payload byte of every record in the segment
@@ -735,7 +732,7 @@ def test_an_arena_store_moves_to_dram_files_at_mount(mount_factory, old_format):
     r = subprocess.run([sys.executable, "-m", "kvfs.cli.fsck", str(m.nvme_dir), "--dram-dir",
                         str(m.dram_dir)], capture_output=True, text=True)
     assert r.returncode == 0 and " 0 errors" in r.stdout, r.stdout + r.stderr
-    shutil.rmtree(m.dram_dir)  # a reboot: what was made durable before is still there
+    m.lose_dram()  # a reboot: what was made durable before is still there
     m.start()
     _check(m, durable)
 
