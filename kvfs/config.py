@@ -96,6 +96,11 @@ class Settings:
     # FUSE passthrough (Linux 6.9+): a file opened for reading whose chunks are all in DRAM
     # is read by the kernel straight from its DRAM file, without a request to the daemon.
     passthrough: bool = True
+    # When DRAM copies are checked against their checksums: "open" (every read: each open in
+    # passthrough mode hashes the whole file first, each handle the chunks it reads) or
+    # "ingest" (when bytes enter DRAM: staged NVMe reads are checked, written chunks sealed;
+    # later reads trust the RAM, as a page cache does; about twice the read bandwidth here).
+    dram_verify: str = "open"
     # Give the DRAM tier a tmpfs of its own at dram_dir, with transparent huge pages
     # (huge=within_size), if dram_dir is not a mountpoint yet and holds nothing: 2 MiB pages
     # make writing, reading and hashing a dense DRAM file ~1.5x faster here than 4 KiB ones.
@@ -152,6 +157,8 @@ class Settings:
             raise ConfigError("io_threads must be >= 1")
         if s.prefetch_concurrency < 1:
             raise ConfigError("prefetch_concurrency must be >= 1")
+        if s.dram_verify not in ("open", "ingest"):
+            raise ConfigError(f"dram_verify must be open or ingest, not {s.dram_verify!r}")
         if not 1 <= s.streams <= 5:
             raise ConfigError(f"streams must be between 1 and 5, not {s.streams}")
         s.dram_dir = os.path.abspath(self.dram_dir)

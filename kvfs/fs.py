@@ -327,18 +327,21 @@ class Operations(pyfuse3.Operations):
         if self._streams(node, flags, self._parent(ino)):
             return self._start_writing(ino)
         reader = not writer and not flags & os.O_DIRECT
-        ready = reader and await self.store.passthrough_ready(ino, node.size)
-        b = self.backing.get(ino)  # looked up after the await: it may have changed
+        # a reader of a file on NVMe: bring it into DRAM first, the kernel reads it from there
+        staged = await self.store.stage_file(ino, node.size) if reader else -1
+        ready = staged >= 0 and await self.store.passthrough_ready(ino, node.size)
+        b = self.backing.get(ino)  # looked up after the awaits: it may have changed
         if b is None:
             if not ready:
                 return None
-            backing_id = self._backing_open(self.store.pin_passthrough(ino, node.size))
+            backing_id = self._backing_open(self.store.pin_passthrough(ino, node.size,
+                                                                       from_nvme=staged))
             if backing_id is None:
                 self.store.unpin_passthrough(ino)
                 return None
             b = self.backing[ino] = [backing_id, 0]
         else:
-            self.store.pin_passthrough(ino, node.size, reads=ready)
+            self.store.pin_passthrough(ino, node.size, reads=ready, from_nvme=max(staged, 0))
         b[1] += 1
         return b[0], not ready, False
 

@@ -372,18 +372,30 @@ def test_other_opens_of_a_file_in_passthrough_mode(kv):
 
 
 def test_passthrough_only_for_files_wholly_in_dram(kv):
-    """A file with chunks on NVMe, a writer's open and an O_DIRECT open are served by the
-    daemon; so is everything with passthrough off."""
+    """A reader of a file with chunks on NVMe has them staged in DRAM before its open
+    returns (counted as NVMe reads), then reads from DRAM; a writer's open and an O_DIRECT
+    open are served by the daemon; so is everything with passthrough off."""
     files = {f"n{i}": os.urandom(256 << 10) for i in range(40)}  # 10 MiB through 4 MiB
     for name, data in files.items():
         (kv.path / name).write_bytes(data)
     on_nvme = [n for n in files if kv.tiers(n) == {"nvme"}]
     assert on_nvme
-    opens = _pt_opens(kv)
+    deadline = time.monotonic() + 10  # staging evicts nothing: let the demoter make room
+    while (d := kv.status()["tiers"]["dram"])["used_bytes"] > 0.8 * d["capacity_bytes"]:
+        assert time.monotonic() < deadline, d
+        time.sleep(0.05)
+    before = kv.status()
     with open(kv.path / on_nvme[0], "rb") as f:
+        assert "dram" in kv.tiers(on_nvme[0])
         assert f.read() == files[on_nvme[0]]
-    with open(kv.path / on_nvme[0], "r+b") as f:
-        assert f.read(10) == files[on_nvme[0]][:10]
+    after = kv.status()
+    assert after["passthrough"]["opens"] == before["passthrough"]["opens"] + 1
+    assert after["reads"]["chunks_from_nvme"] >= before["reads"]["chunks_from_nvme"] + 4
+    opens = _pt_opens(kv)
+    with open(kv.path / on_nvme[1], "r+b") as f:
+        assert f.read(10) == files[on_nvme[1]][:10]
+    fd = os.open(kv.path / on_nvme[2], os.O_RDONLY | os.O_DIRECT)
+    os.close(fd)
     assert _pt_opens(kv) == opens
     kv.unmount()
     kv.start(passthrough="0")

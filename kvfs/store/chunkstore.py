@@ -37,6 +37,7 @@ import logging
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,6 +74,10 @@ PARALLEL_HASH_BYTES = 2 << 20
 # NVMe reads keep a clean DRAM copy while DRAM holds less than this share (no eviction for
 # a promotion: the demoter keeps room for writes below the high watermark).
 PROMOTE_SHARE = 0.9
+# A file opened for reading with chunks on NVMe only is staged whole in DRAM before the open
+# returns, so that the kernel reads it from there (passthrough), if it is at most this long:
+# the open then waits for all of it, which a reader of a KV block wants anyway.
+STAGE_FILE_MAX = 64 << 20
 # Files open in passthrough mode cannot lose their DRAM copies; they may hold at most this
 # share of the tier, so that writes always find room to demote into.
 PASSTHROUGH_SHARE = 0.5
@@ -154,7 +159,8 @@ class Counters:
     prefetch_wasted: int = 0  # a prefetched chunk left DRAM unread
     direct_writes: int = 0  # writes copied by the shim straight into DRAM (plan_write)
     passthrough_opens: int = 0  # opens the kernel serves from the DRAM file itself
-    passthrough_chunks: int = 0  # ... their chunks (counted in chunks_from_dram too)
+    passthrough_chunks: int = 0  # ... their chunks (in chunks_from_dram, or from_nvme if:)
+    staged_chunks: int = 0  # ... brought in from NVMe for such an open (stage_file)
     stream_opens: int = 0  # new files the kernel wrote straight into their DRAM file
     streamed_chunks: int = 0  # ... chunks taken from them (at close or fsync)
     unpacked: int = 0  # DRAM hits that decoded a packed copy
@@ -189,12 +195,16 @@ class ChunkStore:
 
     def __init__(self, meta: MetaStore, fs_uuid: str, *, chunk_size: int, dram_dir: str,
                  dram_size: int, nvme_dir: str, nvme_size: int, segment_size: int,
-                 codec: Codec, io_threads: int, policy, dram_compress: bool = False) -> None:
+                 codec: Codec, io_threads: int, policy, dram_compress: bool = False,
+                 verify_dram_reads: bool = True) -> None:
         self.meta = meta
         self.cs = chunk_size
         self.codec = codec
         # Clean DRAM copies are kept packed (compressed) when that saves pages.
         self.dram_compress = dram_compress
+        # Hash DRAM copies on every read (dram_verify=open), or trust them once they are in
+        # DRAM (ingest: checked on their way in).
+        self.verify_dram_reads = verify_dram_reads
         self.policy = policy
         self.index = ChunkIndex(1 << 16)
         self.dram = DramFiles(dram_dir, fs_uuid, chunk_size, dram_size)
@@ -249,6 +259,7 @@ class ChunkStore:
         # Reads of DRAM copies land here: a read's reply is sent before any other task runs
         # (see `read`), so one buffer serves them all.
         self._scratch = bytearray(chunk_size)
+        self._buffers = threading.local()  # worker threads' own (`_thread_buffer`)
         # Files open in passthrough mode -> DRAM bytes they held when first opened.
         self._pinned: dict[int, int] = {}
         self.pinned_bytes = 0
@@ -705,7 +716,8 @@ class ChunkStore:
                 self._record_latency(t0, self.counters.read_latency_dram_us)
                 return _slice(memoryview(data), start, length)
             if loc.dram_slot >= 0:
-                check = loc.flags & SEALED and (verified is None or (c, loc.seq) not in verified)
+                check = (self.verify_dram_reads and loc.flags & SEALED
+                         and (verified is None or (c, loc.seq) not in verified))
                 if check and self._verified_in_slot.pop((ino, c), None) == loc.seq:
                     check = False  # its prefetch verified it: this read counts as checked
                 if check:
@@ -800,7 +812,7 @@ class ChunkStore:
         self._prefetching.add(key)
         try:
             data = await self.fetch(ino, c, loc, stage=self.prefetch_limit,
-                                    limiter=self.prefetch_limiter)
+                                    limiter=self.prefetch_limiter, want=False)
         except ChunkError as exc:
             log.warning("prefetch: %s", exc)
             return False
@@ -852,17 +864,21 @@ class ChunkStore:
 
     async def fetch(self, ino: int, c: int, loc: Loc, *, stage: float | None,
                     limiter: trio.CapacityLimiter | None = None,
-                    raw: bool = False) -> bytes | memoryview | None:
+                    raw: bool = False, want: bool = True) -> bytes | memoryview | bool | None:
         """Read an NVMe-only chunk (verified). If DRAM holds less than *stage* bytes, the
         worker also writes the bytes into the chunk's region, which becomes its clean DRAM
         copy (no eviction); with `dram_compress` (and not *raw*) it writes the record's
-        payload there instead, a packed copy. Returns the bytes, or None if the chunk changed
-        meanwhile. Writes and truncations of the chunk wait until this is over."""
+        payload there instead, a packed copy. Returns the bytes (True instead unless *want*),
+        or None if the chunk changed meanwhile. Writes and truncations of the chunk wait
+        until this is over."""
         key = (ino, c)
         pending = self._fetching.get(key)
         if pending is not None:
             await pending.wait()
             return None
+        now = self.get(ino, c)
+        if now is None or now.seq != loc.seq or now.dram_slot >= 0:
+            return None  # *loc* was read before an await: another fetch or a write came first
         done = self._fetching[key] = trio.Event()
         claimed = False
         pack = not raw and self.packs(loc) and ino not in self.dram.pins
@@ -878,7 +894,7 @@ class ChunkStore:
             seg = self.nvme.pin(loc.seg)
             try:
                 data, staged = await trio.to_thread.run_sync(
-                    self._read_to_dram, ino, c, loc, seg, held, pack,
+                    self._read_to_dram, ino, c, loc, seg, held, pack, want,
                     limiter=limiter or self.limiter)
             finally:
                 self.nvme.unpin(seg)
@@ -900,7 +916,7 @@ class ChunkStore:
                 with self.meta.write() as txn:
                     self._replace(txn, ino, c, now, new)
                 self.counters.promotions += 1
-            return data
+            return data if want else True
         finally:
             if claimed:
                 self.dram_filling -= filling
@@ -910,12 +926,17 @@ class ChunkStore:
             done.set()
 
     def _read_to_dram(self, ino: int, c: int, loc: Loc, seg, held: DramFile | None,
-                      pack: bool) -> tuple[bytes | memoryview, bool]:
+                      pack: bool, want: bool) -> tuple[bytes | memoryview | None, bool]:
         """Worker thread: `_read_record`, and if *held* (the chunk's DRAM file, its region
         claimed) write the bytes (the payload if *pack*) into the region. Returns the bytes
-        and whether the region was filled (False: not asked, or the tmpfs is full)."""
+        (None unless *want*) and whether the region was filled (False: not asked, or the
+        tmpfs is full). Bytes nobody wants are decoded into this thread's own buffer, warm
+        in its cache, not into fresh memory that each chunk would fault in again."""
         payload = bytearray(loc.stored_len) if pack and held is not None else None
-        data = self._read_record(ino, c, loc, seg, None,
+        target = None
+        if not want and held is not None and payload is None:
+            target = self._thread_buffer()[:loc.raw_len]
+        data = self._read_record(ino, c, loc, seg, target,
                                  payload_to=None if payload is None else memoryview(payload))
         if held is None:
             return data, False
@@ -925,7 +946,14 @@ class ChunkStore:
         except OSError as exc:
             log.warning("DRAM tier: cannot stage a chunk (%s)", exc)
             return data, False
-        return data, done == len(staged)
+        return (data if want else None), done == len(staged)
+
+    def _thread_buffer(self) -> memoryview:
+        """A chunk-sized buffer of the calling worker thread's own."""
+        buf = getattr(self._buffers, "chunk", None)
+        if buf is None:
+            buf = self._buffers.chunk = memoryview(bytearray(self.cs))
+        return buf
 
     def _read_record(self, ino: int, c: int, loc: Loc, seg, target: memoryview | None,
                      payload_to: memoryview | None = None) -> bytes | memoryview:
@@ -967,14 +995,15 @@ class ChunkStore:
         locs = []
         for c in self.index.chunks_of(ino, self._nchunks(size)):
             loc = self.get(ino, c)
-            if loc.dram_slot < 0 or loc.flags & (PACKED | LOST) or (ino, c) in self._fetching:
-                return False
+            if (loc.dram_slot < 0 or loc.flags & (PACKED | LOST | TAIL_LOST)
+                    or (ino, c) in self._fetching):
+                return False  # (a lost tail must read as EIO, which only we can say)
             locs.append((c, loc))
         need = sum(pages(loc.raw_len) for _, loc in locs)
         if (ino not in self.dram.pins
                 and self.pinned_bytes + need > PASSTHROUGH_SHARE * self.dram.capacity):
             return False
-        check = [(c, loc) for c, loc in locs if loc.flags & SEALED
+        check = [(c, loc) for c, loc in locs if loc.flags & SEALED and self.verify_dram_reads
                  and self._verified_in_slot.get((ino, c)) != loc.seq]
         sums = await self._hash_chunks(ino, check)
         if any(self.get(ino, c) != loc for c, loc in locs):
@@ -982,11 +1011,49 @@ class ChunkStore:
         # A mismatch is left to the ordinary path, which reports it (EIO) chunk by chunk.
         return all(csum == loc.checksum for (_, loc), csum in zip(check, sums, strict=True))
 
-    def pin_passthrough(self, ino: int, size: int, reads: bool = True) -> int:
+    async def stage_file(self, ino: int, size: int) -> int:
+        """Bring a file's NVMe-only chunks into DRAM (clean, raw copies), all at once, for an
+        open that will then be served from DRAM by the kernel. Returns how many were read
+        from NVMe, or -1 if the file is too long, DRAM has no room (nothing is evicted for
+        this) or a chunk could not be staged: the open then goes the ordinary way."""
+        todo = [(c, loc) for c in self.index.chunks_of(ino, self._nchunks(size))
+                if (loc := self.get(ino, c)).dram_slot < 0]
+        if not todo:
+            return 0
+        need = sum(pages(loc.raw_len) for _, loc in todo)
+        if (size > STAGE_FILE_MAX or any(loc.flags & LOST for _, loc in todo)
+                or not self.promotion_room(need)):
+            return -1
+        t0 = time.perf_counter()
+
+        async def stage(c: int, loc: Loc) -> None:
+            try:
+                await self.fetch(ino, c, loc, stage=self.dram.capacity * PROMOTE_SHARE,
+                                 raw=True, want=False)
+            except ChunkError as exc:
+                log.warning("staging for an open: %s", exc)  # its read will say EIO
+            now = self.get(ino, c)
+            if now is not None and now.dram_slot >= 0 and not now.flags & PACKED:
+                self._verified_in_slot[(ino, c)] = now.seq  # fetch checked these bytes
+
+        async with trio.open_nursery() as nursery:
+            for c, loc in todo:
+                nursery.start_soon(stage, c, loc)
+        if any((loc := self.get(ino, c)) is None or loc.dram_slot < 0 for c, _ in todo):
+            return -1
+        self.counters.chunks_from_nvme += len(todo)
+        self.counters.staged_chunks += len(todo)
+        for _ in todo:
+            self._record_latency(t0, self.counters.read_latency_nvme_us)
+        return len(todo)
+
+    def pin_passthrough(self, ino: int, size: int, reads: bool = True,
+                        from_nvme: int = 0) -> int:
         """*ino* is opened in passthrough mode: its DRAM copies stay until
         `unpin_passthrough`, and the returned descriptor is its DRAM file, as long as the
         file. With *reads* (the open passed `passthrough_ready`; the kernel will read it
-        without us), its chunks count as read from DRAM now."""
+        without us), its chunks count as read now: from DRAM, but for the *from_nvme* that
+        `stage_file` just brought in."""
         chunks = list(self.index.chunks_of(ino, self._nchunks(size)))
         if ino not in self.dram.pins:  # counted once per file
             held = self._pinned[ino] = sum(pages(self.get(ino, c).raw_len) for c in chunks)
@@ -1001,7 +1068,7 @@ class ChunkStore:
             self.policy.hit(key)
             if self.prefetched:
                 self._prefetch_used(key)
-        self.counters.chunks_from_dram += len(chunks)
+        self.counters.chunks_from_dram += len(chunks) - from_nvme
         self.counters.passthrough_chunks += len(chunks)
         return self.dram.extend(ino, size)
 
@@ -1279,7 +1346,7 @@ class ChunkStore:
         now = self.get(ino, c)
         if now is None or now.seq != loc.seq or now.dram_slot >= 0:
             return
-        await self.fetch(ino, c, now, stage=float(self.dram.capacity), raw=True)
+        await self.fetch(ino, c, now, stage=float(self.dram.capacity), raw=True, want=False)
 
     def _apply_write(self, ino: int, c: int, loc: Loc | None, start: int, piece: memoryview,
                      new_len: int, on_commit: Callable[[], None] | None) -> None:
@@ -1756,6 +1823,7 @@ class ChunkStore:
             "writes": {"direct_to_dram": k.direct_writes},
             # opens the kernel served from DRAM files without the daemon (FUSE passthrough)
             "passthrough": {"opens": k.passthrough_opens, "chunks": k.passthrough_chunks,
+                            "staged_chunks": k.staged_chunks,
                             "open_files": len(self.dram.pins),
                             "write_opens": k.stream_opens, "written_chunks": k.streamed_chunks,
                             "writing_files": len(self.streaming)},
