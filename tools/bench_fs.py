@@ -775,6 +775,9 @@ def kvfs_mount(kind: str, total: int, tmp: Path, args, env: dict) -> KvfsMount:
     opts = {"dram_size": dram, "nvme_size": args.nvme_size, "chunk_size": args.chunk_size,
             "segment_size": args.segment_size, "compress": int("-raw" not in kind),
             "dram_high_watermark": DRAM_HIGH, "dram_low_watermark": DRAM_LOW}
+    for item in filter(None, args.kvfs_options.split(",")):
+        key, _, value = item.partition("=")
+        opts[key] = value or 1
     return KvfsMount(tmp / f"{kind}-{uuid.uuid4().hex[:8]}", env, opts)
 
 
@@ -1378,6 +1381,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="seconds one FUSE phase may take before its daemon is killed and the "
                          "configuration reported as failed (default %(default)s)")
+    ap.add_argument("--kvfs-options", default="", metavar="K=V,...",
+                    help="more -o options for every kvfs mount, e.g. dram_verify=ingest,"
+                         "dram_huge (default none)")
     ap.add_argument("--no-verify", dest="verify", action="store_false",
                     help="do not compare the bytes read with the bytes written")
     ap.add_argument("--profile", metavar="DIR", default=None,
@@ -1427,7 +1433,8 @@ def main(argv: list[str] | None = None) -> int:
         f"kvfs options: chunk_size={fmt_size(args.chunk_size)}, segment_size="
         f"{fmt_size(args.segment_size)}, nvme_size={fmt_size(args.nvme_size)}; DRAM tier: "
         f"2 x data + 64 MiB (kvfs-dram), {fmt_size(args.nvme_dram)} (kvfs-nvme*); "
-        f"compression on, off in *-raw* (-o compress=0)",
+        f"compression on, off in *-raw* (-o compress=0)"
+        f"{'; also -o ' + args.kvfs_options if args.kvfs_options else ''}",
         f"machine: {os.cpu_count()} CPUs, {platform.node()}, Linux {platform.release()}, "
         f"Python {platform.python_version()}",
         f"tmpfs: {mount_info('/dev/shm')}; disk: {args.base_dir} = {mount_info(args.base_dir)}",
