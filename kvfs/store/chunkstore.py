@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import trio
 import xxhash
@@ -137,6 +137,13 @@ class ChunkError(Exception):
 # and the trio thread runs meanwhile); python-xxhash's, the same function, where it cannot run.
 xxhash_hash = xxhash.xxh3_64_intdigest
 _hash = _digest.xxh3 if _digest.fast() else xxhash_hash
+
+
+class _Mismatch(Exception):
+    """A record's decoded bytes do not match its chunk's checksum (inside _read_record)."""
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -930,23 +937,27 @@ class ChunkStore:
         """Worker thread: `_read_record`, and if *held* (the chunk's DRAM file, its region
         claimed) write the bytes (the payload if *pack*) into the region. Returns the bytes
         (None unless *want*) and whether the region was filled (False: not asked, or the
-        tmpfs is full). Bytes nobody wants are decoded into this thread's own buffer, warm
-        in its cache, not into fresh memory that each chunk would fault in again."""
-        payload = bytearray(loc.stored_len) if pack and held is not None else None
-        target = None
-        if not want and held is not None and payload is None:
-            target = self._thread_buffer()[:loc.raw_len]
-        data = self._read_record(ino, c, loc, seg, target,
-                                 payload_to=None if payload is None else memoryview(payload))
+        tmpfs is full). Bytes nobody wants go to the region straight from the read buffer
+        (a raw record) or from this thread's own buffer, warm in its cache, not from fresh
+        memory that each chunk would fault in again."""
+        def stage(data: bytes | memoryview) -> bool:
+            try:
+                return os.pwrite(held.fd, data, c * self.cs) == len(data)
+            except OSError as exc:
+                log.warning("DRAM tier: cannot stage a chunk (%s)", exc)
+                return False
+
         if held is None:
-            return data, False
-        staged = payload if payload is not None else data
-        try:
-            done = os.pwrite(held.fd, staged, c * self.cs)
-        except OSError as exc:
-            log.warning("DRAM tier: cannot stage a chunk (%s)", exc)
-            return data, False
-        return (data if want else None), done == len(staged)
+            return self._read_record(ino, c, loc, seg, None), False
+        if pack:
+            payload = bytearray(loc.stored_len)
+            data = self._read_record(ino, c, loc, seg, None, payload_to=memoryview(payload))
+            return data, stage(payload)
+        if want:
+            data = self._read_record(ino, c, loc, seg, None)
+            return data, stage(data)
+        return None, self._read_record(ino, c, loc, seg, self._thread_buffer()[:loc.raw_len],
+                                       then=stage)
 
     def _thread_buffer(self) -> memoryview:
         """A chunk-sized buffer of the calling worker thread's own."""
@@ -956,10 +967,13 @@ class ChunkStore:
         return buf
 
     def _read_record(self, ino: int, c: int, loc: Loc, seg, target: memoryview | None,
-                     payload_to: memoryview | None = None) -> bytes | memoryview:
+                     payload_to: memoryview | None = None,
+                     then: Callable[[memoryview], T] | None = None) -> bytes | memoryview | T:
         """Worker thread: read, check, decode (into *target* if given) and verify one
-        record; its payload is also copied to *payload_to* if given (a packed copy)."""
-        def decode(h: RecordHeader, payload: memoryview) -> bytes | memoryview:
+        record; its payload is also copied to *payload_to* if given (a packed copy). With
+        *then*, returns then(verified bytes), called while they may still be a view of the
+        read buffer (a raw record is not copied at all)."""
+        def decode(h: RecordHeader, payload: memoryview) -> bytes | memoryview | T:
             if (h.ino, h.chunk, h.seq) != (ino, c, loc.seq):
                 raise RecordError(f"found inode {h.ino} chunk {h.chunk} seq {h.seq} instead")
             if h.raw_len != loc.raw_len:
@@ -969,21 +983,27 @@ class ChunkStore:
                     raise RecordError(f"payload of {len(payload)} bytes in codec {h.codec}, "
                                       f"expected {len(payload_to)} in codec {loc.codec}")
                 payload_to[:] = payload
-            if target is None:
-                return self.codec.decode(h.codec, payload, h.raw_len)
-            self.codec.decode_into(h.codec, payload, h.raw_len, target)
-            return target
+            if then is not None and h.codec == CODEC_RAW:
+                data = payload
+            elif target is None:
+                data = self.codec.decode(h.codec, payload, h.raw_len)
+            else:
+                self.codec.decode_into(h.codec, payload, h.raw_len, target)
+                data = target
+            if len(data) != loc.raw_len or _hash(data) != loc.checksum:
+                raise _Mismatch
+            return data if then is None else then(data)
 
         try:
-            data = self.nvme.read_record(seg, loc.off, loc.rec_len, decode)
+            return self.nvme.read_record(seg, loc.off, loc.rec_len, decode)
         except (RecordError, CodecError, OSError) as exc:
             self.counters.checksum_errors += 1
             raise ChunkError(f"inode {ino} chunk {c}: bad record in segment {loc.seg} at "
                              f"{loc.off}: {exc}") from None
-        if len(data) != loc.raw_len or _hash(data) != loc.checksum:
+        except _Mismatch:
             self.counters.checksum_errors += 1
-            raise ChunkError(f"inode {ino} chunk {c}: checksum mismatch in segment {loc.seg}")
-        return data
+            raise ChunkError(f"inode {ino} chunk {c}: checksum mismatch in segment "
+                             f"{loc.seg}") from None
 
     # -- passthrough: the kernel reads a file straight from its DRAM file -------------------
     async def passthrough_ready(self, ino: int, size: int) -> bool:

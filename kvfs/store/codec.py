@@ -732,7 +732,16 @@ class Codec:
             body = self._body(codec, pv, raw_len)
             self._guarded(self._decode_huf, codec, body, raw_len, dst)
             return
-        data = self.decode(codec, payload, raw_len)
+        if codec == CODEC_RAW:  # one copy, not decode()'s bytes and then a second
+            try:
+                pv = _as_bytes_view(payload)
+            except (TypeError, ValueError) as e:
+                raise CodecError(f"payload is not a contiguous buffer: {e}") from e
+            if len(pv) != raw_len:
+                raise CodecError(f"raw payload is {len(pv)} bytes, expected {raw_len}")
+            data = pv
+        else:
+            data = self.decode(codec, payload, raw_len)
         np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(data, np.uint8))
 
     def _body(self, codec: int, pv: memoryview, raw_len: int) -> memoryview:
