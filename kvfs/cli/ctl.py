@@ -72,8 +72,9 @@ def print_status(st: dict) -> None:
               f"{pf.get('wasted_chunks', 0)} wasted (accuracy "
               f"{f'{100 * used / issued:.1f}%' if issued else '-'}, DRAM hit rate {hit})")
         if pf.get("enabled"):
+            lat = pf.get("fetch_latency_us")
             print(f"prefetch depth {pf.get('depth_chunks')} chunks, lead {pf.get('lead_chunks')},"
-                  f" latency {pf.get('fetch_latency_us')} us, "
+                  f" NVMe fetch latency {'-' if lat is None else f'{lat} us'}, "
                   f"{pf.get('resident_unread_chunks', 0)} staged unread")
     m = st["moves"]
     print(f"moves: {m['demotions']} demotions, {m['writebacks']} writebacks, "
