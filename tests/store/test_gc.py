@@ -495,3 +495,28 @@ def test_idle_open_segment_is_sealed_and_reclaimed(harness):
         assert long_seg.deleted  # sealed, and with nothing live in it: unlinked
 
     trio.run(main)
+
+
+def test_fetch_with_a_stale_location_changes_nothing(harness):
+    """A fetch whose Loc was read before an await, and which another fetch has since made
+    resident, returns None and leaves the DRAM copy alone (it used to stage over it: over
+    a packed copy, that made the chunk unreadable)."""
+    h = harness
+
+    async def main():
+        h.open()
+        data = random.Random(7).randbytes(CS)
+        await h.put(1, data)
+        stale = h.store.get(1, 0)
+        assert stale.dram_slot < 0
+        assert await h.store.fetch(1, 0, stale, stage=float(h.store.dram.capacity),
+                                   want=False)
+        now = h.store.get(1, 0)
+        assert now.dram_slot >= 0
+        filling = h.store.dram_filling
+        assert await h.store.fetch(1, 0, stale, stage=float(h.store.dram.capacity)) is None
+        assert h.store.get(1, 0) == now and h.store.dram_filling == filling
+        await h.verify()
+        h.close()
+
+    trio.run(main)
