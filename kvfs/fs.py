@@ -403,8 +403,10 @@ class Operations(pyfuse3.Operations):
             node.size = 0
             node.mtime_ns = node.ctime_ns = time.time_ns()
             self.ns.save(node)
-        mode = await self._passthrough_mode(node, flags)
+        # Readahead hears of the open first: its predictions of what comes next start now,
+        # not after this file's own staging from NVMe.
         self.readahead.opened(inode, flags, node.size, ctx.pid)
+        mode = await self._passthrough_mode(node, flags)
         if mode is not None and not mode[1] and not mode[2]:
             # The kernel reads it without us: the whole file counts as read now.
             self.readahead.read(inode, 0, node.size, ctx.pid)

@@ -1035,9 +1035,7 @@ class ChunkStore:
         """Bring a file's NVMe-only chunks into DRAM (clean, raw copies), all at once, for an
         open that will then be served from DRAM by the kernel. Returns how many were read
         from NVMe, or -1 if the file is too long, DRAM has no room (nothing is evicted for
-        this) or a chunk could not be staged: the open then goes the ordinary way. (A chunk
-        whose prefetch was in flight counts as a late prefetch, read from DRAM, as it would
-        on the daemon's read path.)"""
+        this) or a chunk could not be staged: the open then goes the ordinary way."""
         todo = [(c, loc) for c in self.index.chunks_of(ino, self._nchunks(size))
                 if (loc := self.get(ino, c)).dram_slot < 0]
         if not todo:
@@ -1047,16 +1045,14 @@ class ChunkStore:
                 or not self.promotion_room(need)):
             return -1
         t0 = time.perf_counter()
-        fetched = 0
+        # A chunk whose prefetch was already in flight is a (late) prefetch hit, as on the
+        # daemon's read path; every other one is this open's NVMe read, whoever fetches it.
+        late = {c for c, _ in todo if (ino, c) in self._prefetching}
 
         async def stage(c: int, loc: Loc) -> None:
-            nonlocal fetched
-            if (ino, c) in self._prefetching:
-                self.counters.prefetch_late += 1  # its prefetch brings it: a (late) DRAM read
             try:
-                if await self.fetch(ino, c, loc, stage=self.dram.capacity * PROMOTE_SHARE,
-                                    raw=True, want=False):
-                    fetched += 1
+                await self.fetch(ino, c, loc, stage=self.dram.capacity * PROMOTE_SHARE,
+                                 raw=True, want=False)
             except ChunkError as exc:
                 log.warning("staging for an open: %s", exc)  # its read will say EIO
             now = self.get(ino, c)
@@ -1068,6 +1064,8 @@ class ChunkStore:
                 nursery.start_soon(stage, c, loc)
         if any((loc := self.get(ino, c)) is None or loc.dram_slot < 0 for c, _ in todo):
             return -1
+        fetched = len(todo) - len(late)
+        self.counters.prefetch_late += len(late)
         self.counters.chunks_from_nvme += fetched
         self.counters.staged_chunks += fetched
         for _ in range(fetched):
