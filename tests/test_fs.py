@@ -404,6 +404,26 @@ def test_passthrough_only_for_files_wholly_in_dram(kv):
     assert _pt_opens(kv) == 0
 
 
+def test_dram_verify_ingest_reads_every_byte_back(kv):
+    """-o dram_verify=ingest: DRAM copies are checked on their way in, not at each open;
+    files written, demoted, staged back by their opens and read after a SIGKILL come back
+    byte for byte."""
+    kv.unmount()
+    kv.start(dram_verify="ingest")
+    files = {f"g{i}": os.urandom(256 << 10) for i in range(30)}  # 7.5 MiB through 4 MiB
+    for name, data in files.items():
+        (kv.path / name).write_bytes(data)
+    assert any(kv.tiers(n) == {"nvme"} for n in files)
+    for _ in range(2):
+        for name, data in files.items():
+            assert (kv.path / name).read_bytes() == data, name
+    assert _pt_opens(kv) > 0
+    kv.kill()
+    kv.start(dram_verify="ingest")
+    for name, data in files.items():
+        assert (kv.path / name).read_bytes() == data, name
+
+
 def test_a_file_in_passthrough_mode_keeps_its_dram_copies(kv):
     """Demotion passes over a file the kernel is reading from its DRAM file."""
     data = os.urandom(300_000)

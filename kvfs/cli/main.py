@@ -21,7 +21,7 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     d = Settings()
     p.add_argument("mountpoint", help="existing empty directory to mount kvfs on")
     p.add_argument("--dram-dir", default=DEFAULT_DRAM_DIR, metavar="DIR",
-                   help="tmpfs directory for the DRAM tier arena (default %(default)s); it "
+                   help="tmpfs directory for the DRAM tier's files (default %(default)s); it "
                         "outlives the daemon, so a crash loses no data")
     p.add_argument("--dram-size", default=d.dram_size, metavar="SIZE",
                    help="DRAM tier capacity: 64M, 8G or a percentage of available RAM "
@@ -58,7 +58,12 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                         "io_threads=, readahead_chunks=, prefetch= (0 turns prediction off), "
                         "prefetch_bandwidth=, streams= (1-5 NVMe placement streams), "
                         "dram_compress (as --dram-compress), nopassthrough (every read "
-                        "goes through the daemon, never straight from a DRAM file)")
+                        "goes through the daemon, never straight from a DRAM file), "
+                        "dram_verify=open|ingest (check DRAM copies at every open, the "
+                        "default, or only as bytes enter DRAM: faster reads, RAM trusted "
+                        "like a page cache), dram_huge (an empty --dram-dir gets a tmpfs of "
+                        "its own with 2 MiB pages: faster dense files, but a sparse file's "
+                        "scattered chunks take 2 MiB each)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
