@@ -1157,9 +1157,10 @@ class ChunkStore:
         lens = [min(self.cs, size - c * self.cs) for c in data]
         sums = await self._hash_chunks(ino, [(c, Loc(IN_DRAM, 0, 0, 0, n, 0, CODEC_RAW, 0, 0, 0))
                                              for c, n in zip(data, lens, strict=True)])
+        present = set(data)
         with self.meta.write() as txn:
             for c in self.index.chunks_of(ino, 1 << 62):
-                if c not in set(data):
+                if c not in present:  # (a set built per chunk made big files' takes O(n^2))
                     self._replace(txn, ino, c, self.get(ino, c), None)
             for c, n, csum in zip(data, lens, sums, strict=True):
                 old = self.get(ino, c)
