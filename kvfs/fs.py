@@ -30,7 +30,7 @@ nothing else open and room to spare, is written by the kernel straight into its 
 every open of the file reads and writes the DRAM file too (O_DIRECT ones included, so their
 alignment is not checked), its size is the DRAM file's, and an fsync takes what is there as
 the file's chunks and makes them durable. At the last writer's close the store takes the
-DRAM file's contents as the file (`ingest`).
+DRAM file's contents as the file (`take_stream`).
 """
 
 from __future__ import annotations

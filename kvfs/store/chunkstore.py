@@ -1129,9 +1129,7 @@ class ChunkStore:
 
     def stream_blocks(self, ino: int) -> int:
         """Bytes of RAM a file being written by the kernel holds so far."""
-        if self.dram.missing_open(ino):
-            return 0
-        return os.fstat(self.dram.fd(ino)).st_blocks * 512
+        return self.dram.ram(ino)
 
     async def take_stream(self, ino: int, *, done: bool,
                           on_commit: Callable[[int], None] | None = None) -> int:

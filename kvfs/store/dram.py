@@ -56,17 +56,24 @@ PAGE = 4096
 OPEN_FILES = 4096
 
 
+def _mounts() -> list[tuple[str, str, str]]:
+    """(mountpoint, fstype, source) of every mount, from /proc/self/mountinfo."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            sep = parts.index("-")
+            out.append((parts[4].replace("\\040", " "), parts[sep + 1], parts[sep + 2]))
+    return out
+
+
 def is_tmpfs(path: str) -> bool:
     """True if *path* is on tmpfs (or ramfs-like shmem), judged from /proc/self/mountinfo."""
     real = os.path.realpath(path)
     best, fstype = "", ""
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            parts = line.split()
-            mnt = parts[4].replace("\\040", " ")
-            sep = parts.index("-")
-            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, fstype = mnt, parts[sep + 1]
+    for mnt, kind, _ in _mounts():
+        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            best, fstype = mnt, kind
     return fstype in ("tmpfs", "ramfs")
 
 
@@ -97,12 +104,7 @@ def remove_dram_dir(directory: str) -> None:
 
 def _mount_source(path: str) -> str | None:
     real = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            parts = line.split()
-            if parts[4].replace("\\040", " ") == real:
-                return parts[parts.index("-") + 2]
-    return None
+    return next((source for mnt, _, source in _mounts() if mnt == real), None)
 
 
 def pages(n: int) -> int:
@@ -314,9 +316,11 @@ class DramFiles:
 
     def size(self, ino: int) -> int:
         """Length of *ino*'s DRAM file (0 if it has none)."""
-        if self.missing_open(ino):
-            return 0
-        return os.fstat(self.fd(ino)).st_size
+        return 0 if self.missing_open(ino) else os.fstat(self.fd(ino)).st_size
+
+    def ram(self, ino: int) -> int:
+        """Bytes of RAM *ino*'s DRAM file holds (0 if it has none)."""
+        return 0 if self.missing_open(ino) else os.fstat(self.fd(ino)).st_blocks * 512
 
     def data_chunks(self, ino: int) -> list[int]:
         """Chunks of *ino*'s DRAM file that hold any data (a SEEK_DATA/SEEK_HOLE walk): what
