@@ -49,7 +49,7 @@ class Assembly:
             # verify=False: the store checks the xxh3 of every decoded chunk itself
             codec=Codec(CodecPolicy(enabled=s.compress, verify=False)),
             io_threads=s.io_threads, policy=self.policy, dram_compress=s.dram_compress,
-            verify_dram_reads=s.dram_verify == "open")
+            dram_verify=s.dram_verify)
         self.policy.pinned = lambda key: key[0] in self.store.dram.pins
         self.ns = Namespace(self.meta)
         for ino, size in self.store.recovered_sizes.items():

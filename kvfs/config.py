@@ -96,11 +96,16 @@ class Settings:
     # FUSE passthrough (Linux 6.9+): a file opened for reading whose chunks are all in DRAM
     # is read by the kernel straight from its DRAM file, without a request to the daemon.
     passthrough: bool = True
-    # When DRAM copies are checked against their checksums: "open" (every read: each open in
-    # passthrough mode hashes the whole file first, each handle the chunks it reads) or
-    # "ingest" (when bytes enter DRAM: staged NVMe reads are checked, written chunks sealed;
-    # later reads trust the RAM, as a page cache does; about twice the read bandwidth here).
-    dram_verify: str = "open"
+    # When DRAM copies are checked against their checksums (a passthrough open checks the
+    # whole file for the reads the kernel will serve without us):
+    # "once": bytes are checked as they enter DRAM (staged NVMe reads checked, written
+    #   chunks hashed) and then again only if something may have changed them: any write
+    #   into a region forgets its check, and after a restart every copy is checked at its
+    #   first read. RAM is otherwise trusted, as the page cache is.
+    # "open": every open (and every handle's first read of a chunk) hashes the chunks
+    #   again: a second pass over the file's memory, about half the read bandwidth here.
+    # "ingest": only as bytes enter DRAM, never after a restart either.
+    dram_verify: str = "once"
     # Give the DRAM tier a tmpfs of its own at dram_dir, with transparent huge pages
     # (huge=within_size), if dram_dir is not a mountpoint yet and holds nothing: 2 MiB pages
     # make writing, reading and hashing a dense DRAM file ~1.5x faster here than 4 KiB ones.
@@ -157,8 +162,9 @@ class Settings:
             raise ConfigError("io_threads must be >= 1")
         if s.prefetch_concurrency < 1:
             raise ConfigError("prefetch_concurrency must be >= 1")
-        if s.dram_verify not in ("open", "ingest"):
-            raise ConfigError(f"dram_verify must be open or ingest, not {s.dram_verify!r}")
+        if s.dram_verify not in ("once", "open", "ingest"):
+            raise ConfigError(f"dram_verify must be once, open or ingest, "
+                              f"not {s.dram_verify!r}")
         if not 1 <= s.streams <= 5:
             raise ConfigError(f"streams must be between 1 and 5, not {s.streams}")
         s.dram_dir = os.path.abspath(self.dram_dir)

@@ -36,7 +36,7 @@ def dirs(tmp_path):
     (["--dram-size", "150%"], "percentage"),
     (["-o", "dram_high_watermark=2"], "watermark"),
     (["--nvme-size", "1M"], "at least 4 segments"),
-    (["-o", "dram_verify=never"], "dram_verify must be open or ingest"),
+    (["-o", "dram_verify=never"], "dram_verify must be once, open or ingest"),
 ])
 def test_bad_options(dirs, extra, message):
     mnt, dram, nvme = dirs

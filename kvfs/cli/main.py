@@ -59,11 +59,13 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                         "prefetch_bandwidth=, streams= (1-5 NVMe placement streams), "
                         "dram_compress (as --dram-compress), nopassthrough (every read "
                         "goes through the daemon, never straight from a DRAM file), "
-                        "dram_verify=open|ingest (check DRAM copies at every open, the "
-                        "default, or only as bytes enter DRAM: faster reads, RAM trusted "
-                        "like a page cache), dram_huge (an empty --dram-dir gets a tmpfs of "
-                        "its own with 2 MiB pages: faster dense files, but a sparse file's "
-                        "scattered chunks take 2 MiB each)")
+                        "dram_verify=once|open|ingest (when DRAM copies are checked "
+                        "against their checksums: once, the default, as bytes enter DRAM "
+                        "and again after anything may have changed them, a restart "
+                        "included; open: at every open too, half the read bandwidth; "
+                        "ingest: only as bytes enter DRAM), dram_huge (an empty "
+                        "--dram-dir gets a tmpfs of its own with 2 MiB pages: faster dense "
+                        "files, but a sparse file's scattered chunks take 2 MiB each)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -203,15 +203,14 @@ class ChunkStore:
     def __init__(self, meta: MetaStore, fs_uuid: str, *, chunk_size: int, dram_dir: str,
                  dram_size: int, nvme_dir: str, nvme_size: int, segment_size: int,
                  codec: Codec, io_threads: int, policy, dram_compress: bool = False,
-                 verify_dram_reads: bool = True) -> None:
+                 dram_verify: str = "once") -> None:
         self.meta = meta
         self.cs = chunk_size
         self.codec = codec
         # Clean DRAM copies are kept packed (compressed) when that saves pages.
         self.dram_compress = dram_compress
-        # Hash DRAM copies on every read (dram_verify=open), or trust them once they are in
-        # DRAM (ingest: checked on their way in).
-        self.verify_dram_reads = verify_dram_reads
+        # When a read hashes a chunk's DRAM copy first (see `_check_needed`).
+        self.dram_verify = dram_verify
         self.policy = policy
         self.index = ChunkIndex(1 << 16)
         self.dram = DramFiles(dram_dir, fs_uuid, chunk_size, dram_size)
@@ -254,10 +253,6 @@ class ChunkStore:
         # Prefetch bookkeeping: chunks staged ahead of a read and not read yet, and in flight.
         self.prefetched: set[tuple[int, int]] = set()
         self._prefetching: set[tuple[int, int]] = set()
-        # Chunks a prefetch decoded and verified on their way into DRAM, not read since -> seq:
-        # the first read counts as that verified read (as a demand read from NVMe does)
-        # instead of hashing the chunk again on the trio thread; later reads check again.
-        self._verified_in_slot: dict[tuple[int, int], int] = {}
         # Prefetch never takes the worker threads demand reads need.
         self.prefetch_limiter = trio.CapacityLimiter(max(1, io_threads // 2))
         self.high_water = int(0.9 * dram_size)  # set by tiering; start demoting above it
@@ -516,7 +511,6 @@ class ChunkStore:
                                                        new.dram_slot != old.dram_slot):
             self.policy.removed(key)
             self.dirty_since.pop(key, None)
-            self._verified_in_slot.pop(key, None)
             if key in self.prefetched:
                 self.prefetched.discard(key)
                 self.counters.prefetch_wasted += 1
@@ -723,15 +717,14 @@ class ChunkStore:
                 self._record_latency(t0, self.counters.read_latency_dram_us)
                 return _slice(memoryview(data), start, length)
             if loc.dram_slot >= 0:
-                check = (self.verify_dram_reads and loc.flags & SEALED
-                         and (verified is None or (c, loc.seq) not in verified))
-                if check and self._verified_in_slot.pop((ino, c), None) == loc.seq:
-                    check = False  # its prefetch verified it: this read counts as checked
+                check = ((verified is None or (c, loc.seq) not in verified)
+                         and self._check_needed(ino, c, loc))
                 if check:
                     view = self._dram_bytes(ino, c, loc.raw_len)
                     if _hash(view) != loc.checksum:
                         self.counters.checksum_errors += 1
                         raise ChunkError(f"inode {ino} chunk {c}: checksum mismatch in DRAM")
+                    self._mark_checked(ino, c, loc)
                     view = view[start:]
                 else:  # only the bytes asked for
                     view = self._dram_bytes_at(ino, c, start, min(length, loc.raw_len - start))
@@ -753,6 +746,21 @@ class ChunkStore:
             self.counters.chunks_from_nvme += 1
             self._record_latency(t0, self.counters.read_latency_nvme_us)
             return _slice(memoryview(data), start, length)
+
+    def _check_needed(self, ino: int, c: int, loc: Loc, consume: bool = True) -> bool:
+        """Must a read hash this sealed DRAM copy before trusting it? `dram_verify=open`: yes,
+        unless the fetch that staged it checked it (that counts for the next read only);
+        `once`: only if this daemon has not checked it since its bytes last changed (after
+        a restart, every copy is checked once); `ingest`: never (checked on the way in)."""
+        if self.dram_verify == "ingest" or not loc.flags & SEALED:
+            return False
+        return not self.dram.checked(ino, c, loc.seq,
+                                     consume=consume and self.dram_verify == "open")
+
+    def _mark_checked(self, ino: int, c: int, loc: Loc) -> None:
+        """The region holds exactly the bytes of *loc*'s checksum (dram_verify=once)."""
+        if self.dram_verify == "once":
+            self.dram.mark_checked(ino, c, loc.seq)
 
     async def _unpack(self, ino: int, c: int, loc: Loc) -> bytes | None:
         """Decode (and verify) a packed DRAM copy in a worker; None if the chunk changed
@@ -829,8 +837,8 @@ class ChunkStore:
         if data is None or now is None or now.seq != loc.seq or now.dram_slot < 0:
             return False  # changed meanwhile, or no room when the read began
         self.prefetched.add(key)
-        if not now.flags & PACKED:
-            self._verified_in_slot[key] = now.seq  # fetch checked the bytes it staged
+        if not now.flags & PACKED:  # fetch checked the bytes it staged: the next read
+            self.dram.mark_checked(ino, c, now.seq)  # counts as checked (dram_verify=open)
         if self.dram_used > self.high_water:
             self.kick_demoter()  # the demoter makes room in bulk, in eviction order
         return True
@@ -923,6 +931,8 @@ class ChunkStore:
                 with self.meta.write() as txn:
                     self._replace(txn, ino, c, now, new)
                 self.counters.promotions += 1
+                if not pack:
+                    self._mark_checked(ino, c, new)  # _read_record checked these bytes
             return data if want else True
         finally:
             if claimed:
@@ -1023,13 +1033,16 @@ class ChunkStore:
         if (ino not in self.dram.pins
                 and self.pinned_bytes + need > PASSTHROUGH_SHARE * self.dram.capacity):
             return False
-        check = [(c, loc) for c, loc in locs if loc.flags & SEALED and self.verify_dram_reads
-                 and self._verified_in_slot.get((ino, c)) != loc.seq]
+        check = [(c, loc) for c, loc in locs if self._check_needed(ino, c, loc, consume=False)]
         sums = await self._hash_chunks(ino, check)
         if any(self.get(ino, c) != loc for c, loc in locs):
             return False  # changed meanwhile: the ordinary path decides
         # A mismatch is left to the ordinary path, which reports it (EIO) chunk by chunk.
-        return all(csum == loc.checksum for (_, loc), csum in zip(check, sums, strict=True))
+        if any(csum != loc.checksum for (_, loc), csum in zip(check, sums, strict=True)):
+            return False
+        for c, loc in check:
+            self._mark_checked(ino, c, loc)
+        return True
 
     async def stage_file(self, ino: int, size: int) -> int:
         """Bring a file's NVMe-only chunks into DRAM (clean, raw copies), all at once, for an
@@ -1057,7 +1070,7 @@ class ChunkStore:
                 log.warning("staging for an open: %s", exc)  # its read will say EIO
             now = self.get(ino, c)
             if now is not None and now.dram_slot >= 0 and not now.flags & PACKED:
-                self._verified_in_slot[(ino, c)] = now.seq  # fetch checked these bytes
+                self.dram.mark_checked(ino, c, now.seq)  # fetch checked these bytes
 
         async with trio.open_nursery() as nursery:
             for c, loc in todo:
@@ -1089,7 +1102,8 @@ class ChunkStore:
         self.counters.passthrough_opens += 1
         for c in chunks:
             key = (ino, c)
-            self._verified_in_slot.pop(key, None)
+            if self.dram_verify == "open":
+                self.dram.forget(ino, c)  # a check counts for one open only
             self.policy.hit(key)
             if self.prefetched:
                 self._prefetch_used(key)
@@ -1170,6 +1184,8 @@ class ChunkStore:
                 new = Loc(IN_DRAM, 0, 0, 0, n, 0, CODEC_RAW, SEALED if done else 0,
                           csum if done else 0, self._next_seq())
                 self._replace(txn, ino, c, old, new)
+                if done:
+                    self._mark_checked(ino, c, new)  # hashed from the region itself
                 self.counters.streamed_chunks += 1
             if done:
                 txn.delete(u64(ino), db=self.meta.db["writers"])
@@ -1403,6 +1419,8 @@ class ChunkStore:
             self._replace(txn, ino, c, loc, new)
             if on_commit is not None:
                 on_commit()
+        if whole is not None:
+            self._mark_checked(ino, c, new)  # hashed from the bytes just written there
         if self.dram_load > self.high_water:
             self.kick_demoter()
 
@@ -1423,6 +1441,7 @@ class ChunkStore:
                 now = self.get(ino, c)
                 if now == loc:
                     self._replace(txn, ino, c, loc, loc._replace(flags=SEALED, checksum=csum))
+                    self._mark_checked(ino, c, loc)  # hashed from the region itself
 
     async def _hash_chunks(self, ino: int, todo: list[tuple[int, Loc]]) -> list[int]:
         """xxh3 of each chunk's bytes in its region: inline when they are few, else in worker

@@ -164,6 +164,12 @@ class DramFiles:
         self.claim_ids: dict[tuple[int, int], int] = {}
         self._claim_seq = itertools.count(1)
         self.pins: dict[int, int] = {}  # ino -> passthrough opens (file must stay)
+        # Regions whose bytes this daemon has checked against their chunk's checksum (or
+        # written from bytes of that checksum) since they last changed: ino -> {chunk: the
+        # chunk's seq then}. Every change of a region's bytes made through this class
+        # forgets its entry, whoever asked for it, so that a bug writing into the wrong
+        # region is still caught by the next check (dram_verify=once).
+        self._checked: dict[int, dict[int, int]] = {}
         self._released: dict[int, list[tuple[int, int]]] = {}  # ino -> [(start, length)]
         self._trash_seq = itertools.count()
         self._disposals: list[tuple[str, int]] = []  # (trash path, fd or -1) to remove
@@ -172,6 +178,36 @@ class DramFiles:
 
     def path(self, ino: int) -> str:
         return os.path.join(self.files_dir, f"{ino:x}")
+
+    # -- checked regions (see _checked) ------------------------------------------------------
+    def mark_checked(self, ino: int, c: int, seq: int) -> None:
+        self._checked.setdefault(ino, {})[c] = seq
+
+    def checked(self, ino: int, c: int, seq: int, consume: bool = False) -> bool:
+        """Was region (ino, c) checked as holding the chunk of *seq*, and not changed since?
+        With *consume*, the answer holds for this one read only."""
+        marks = self._checked.get(ino)
+        if marks is None:
+            return False
+        got = marks.pop(c, None) if consume else marks.get(c)
+        return got == seq
+
+    def forget(self, ino: int, c: int | None = None) -> None:
+        """Region (ino, c), or from chunk *c* on, or all of *ino* (None), may change."""
+        marks = self._checked.get(ino)
+        if marks is None:
+            return
+        if c is None:
+            del self._checked[ino]
+        else:
+            marks.pop(c, None)
+
+    def _forget_range(self, ino: int, start: int, length: int) -> None:
+        marks = self._checked.get(ino)
+        if marks:
+            first, last = start // self.chunk_size, (start + length - 1) // self.chunk_size
+            for c in [c for c in marks if first <= c <= last]:
+                del marks[c]
 
     # -- mount and unmount -------------------------------------------------------------------
     def adopt(self, owned: dict[int, list[tuple[int, int]]]) -> None:
@@ -252,6 +288,7 @@ class DramFiles:
         """Region (ino, c) is about to receive a chunk's bytes."""
         self.claims[ino] = self.claims.get(ino, 0) + 1
         self.claim_ids[(ino, c)] = next(self._claim_seq)
+        self.forget(ino, c)
 
     def unclaim(self, ino: int) -> None:
         """Undo a `claim` whose region turned out to be someone else's (nothing to punch)."""
@@ -264,6 +301,7 @@ class DramFiles:
     def release(self, ino: int, c: int, length: int) -> None:
         """Region (ino, c) no longer holds anything: its pages go at the next `settle`."""
         self.claim_ids.pop((ino, c), None)
+        self.forget(ino, c)
         self.unclaim(ino)
         self._released.setdefault(ino, []).append((c * self.chunk_size, pages(length)))
 
@@ -284,6 +322,7 @@ class DramFiles:
     def punch(self, ino: int, start: int, length: int) -> None:
         """Drop the pages of [start, start+length) of *ino*'s DRAM file (reads give zeros)."""
         if length > 0 and not self.missing_open(ino):
+            self._forget_range(ino, start, length)
             self._punch(self.fd(ino), start, length)
 
     def missing_open(self, ino: int) -> bool:
@@ -303,6 +342,7 @@ class DramFiles:
             return
         fd = self.fd(ino)
         if os.fstat(fd).st_size > size:
+            self._forget_range(ino, size, 1 << 62)
             os.ftruncate(fd, size)
 
     def extend(self, ino: int, size: int) -> int:
@@ -349,6 +389,7 @@ class DramFiles:
     def write(self, ino: int, c: int, start: int, data) -> None:
         """Copy *data* into region (ino, c) at *start*."""
         off = c * self.chunk_size + start
+        self.forget(ino, c)
         done = os.pwrite(self.fd(ino), data, off)
         if done != len(data):  # tmpfs writes are never short unless memory ran out
             raise OSError(errno.ENOSPC, f"short write to the DRAM tier ({done}/{len(data)})")
@@ -387,6 +428,7 @@ class DramFiles:
         """Remove *ino*'s DRAM file: renamed into the trash now, its pages freed by a worker
         (`dispose_many`). Holders keep their descriptor until they drop it."""
         f = self._open.pop(ino, None)
+        self.forget(ino)
         trash = os.path.join(self.trash_dir, f"{ino:x}.{next(self._trash_seq)}")
         try:
             os.rename(self.path(ino), trash)

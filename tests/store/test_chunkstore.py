@@ -314,10 +314,12 @@ def test_corrupt_dram_chunk_is_eio(kv):
 
 
 def test_prefetched_chunk_is_checked_again_after_its_first_read(kv):
-    """A prefetch verifies the chunk in its DRAM slot, so the first read skips the hash; any
-    later read checks it again: damage in DRAM after staging is still EIO."""
+    """dram_verify=open: a prefetch verifies the chunk in its DRAM slot, so the first read
+    skips the hash; any later read checks it again: damage in DRAM after staging is EIO."""
     from kvfs.client import prefetch
 
+    kv.unmount()
+    kv.start(dram_verify="open")
     files = _fill(kv, "p", 30, 128 << 10)
     victim = _nvme_only(kv, files)[0]
     assert prefetch([kv.path / victim], strict=True) == 1

@@ -144,3 +144,28 @@ def test_adopt_keeps_owned_regions_and_clears_the_rest():
         d.close()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_any_change_of_a_region_forgets_its_check(dram):
+    """dram_verify=once trusts a checked region only until something writes into it,
+    whoever asked for the write: claim, write, punch, release, truncate, disposal."""
+    def checked_after(change) -> bool:
+        for c in range(3):
+            put(dram, 5, c, 1)
+            dram.mark_checked(5, c, 100 + c)
+        change()
+        return dram.checked(5, 1, 101)
+
+    assert checked_after(lambda: None)
+    assert not dram.checked(5, 1, 999)  # another seq: another chunk's bytes
+    assert not checked_after(lambda: dram.write(5, 1, 10, b"x"))
+    assert dram.checked(5, 0, 100) and dram.checked(5, 2, 102)  # neighbours keep theirs
+    assert not checked_after(lambda: dram.claim(5, 1))
+    assert not checked_after(lambda: dram.punch(5, CS + 4096, 4096))
+    assert not checked_after(lambda: dram.release(5, 1, CS))
+    assert not checked_after(lambda: dram.truncate(5, CS + 5))
+    assert dram.checked(5, 0, 100)
+    assert not checked_after(lambda: dram.dispose(5))
+    put(dram, 6, 0, 1)
+    dram.mark_checked(6, 0, 7)
+    assert dram.checked(6, 0, 7, consume=True) and not dram.checked(6, 0, 7)  # one read only
