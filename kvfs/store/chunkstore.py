@@ -155,6 +155,7 @@ class Counters:
     demotions: int = 0
     writebacks: int = 0
     checksum_errors: int = 0
+    dram_checks: int = 0  # DRAM copies hashed on the read path before being trusted
     user_bytes_written: int = 0  # record bytes written to NVMe for user data
     gc_bytes_written: int = 0
     read_latency_us: list[int] = field(default_factory=lambda: [0] * 24)  # log2 buckets
@@ -720,6 +721,7 @@ class ChunkStore:
                 check = ((verified is None or (c, loc.seq) not in verified)
                          and self._check_needed(ino, c, loc))
                 if check:
+                    self.counters.dram_checks += 1
                     view = self._dram_bytes(ino, c, loc.raw_len)
                     if _hash(view) != loc.checksum:
                         self.counters.checksum_errors += 1
@@ -1034,6 +1036,7 @@ class ChunkStore:
                 and self.pinned_bytes + need > PASSTHROUGH_SHARE * self.dram.capacity):
             return False
         check = [(c, loc) for c, loc in locs if self._check_needed(ino, c, loc, consume=False)]
+        self.counters.dram_checks += len(check)
         sums = await self._hash_chunks(ino, check)
         if any(self.get(ino, c) != loc for c, loc in locs):
             return False  # changed meanwhile: the ordinary path decides
@@ -1858,6 +1861,8 @@ class ChunkStore:
                       "chunks_from_holes": k.chunks_from_holes,
                       "chunks_unpacked": k.unpacked,
                       "checksum_errors": k.checksum_errors,
+                      # DRAM copies hashed before a read trusted them (-o dram_verify)
+                      "dram_checked_chunks": k.dram_checks,
                       "latency_us_log2_histogram": list(k.read_latency_us),
                       "dram_latency_us_log2_histogram": list(k.read_latency_dram_us),
                       "nvme_latency_us_log2_histogram": list(k.read_latency_nvme_us)},

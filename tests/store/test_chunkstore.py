@@ -313,6 +313,39 @@ def test_corrupt_dram_chunk_is_eio(kv):
         assert f.read() == data[CHUNK:]
 
 
+def _dram_checks(kv) -> int:
+    return kv.status()["reads"]["dram_checked_chunks"]
+
+
+def test_dram_copies_are_checked_once_until_they_may_have_changed(kv):
+    """dram_verify=once (default): bytes this daemon wrote or checked are trusted until they
+    change; after a restart every DRAM copy is checked at its first read, once. With
+    dram_verify=open every open checks them all again."""
+    data = os.urandom(2 * CHUNK + 100)
+    (kv.path / "v").write_bytes(data)
+    before = _dram_checks(kv)
+    for _ in range(2):
+        assert (kv.path / "v").read_bytes() == data
+    assert _dram_checks(kv) == before  # hashed as they were written
+    kv.unmount()
+    kv.start()
+    assert "dram" in kv.tiers("v")  # (and on NVMe: the unmount wrote it back)
+    before = _dram_checks(kv)
+    assert (kv.path / "v").read_bytes() == data
+    assert _dram_checks(kv) == before + 3  # the first read after the mount checks them
+    assert (kv.path / "v").read_bytes() == data
+    assert _dram_checks(kv) == before + 3
+    (kv.path / "v").write_bytes(data[::-1])  # new bytes: hashed as they come in
+    assert (kv.path / "v").read_bytes() == data[::-1]
+    assert _dram_checks(kv) == before + 3
+    kv.unmount()
+    kv.start(dram_verify="open")
+    before = _dram_checks(kv)
+    for i in range(1, 3):
+        assert (kv.path / "v").read_bytes() == data[::-1]
+        assert _dram_checks(kv) == before + 3 * i
+
+
 def test_prefetched_chunk_is_checked_again_after_its_first_read(kv):
     """dram_verify=open: a prefetch verifies the chunk in its DRAM slot, so the first read
     skips the hash; any later read checks it again: damage in DRAM after staging is EIO."""
