@@ -1329,6 +1329,8 @@ class ChunkStore:
             loc = self.get(ino, c)
             if loc is None or loc.dram_slot < 0:
                 self.dram.claim(ino, c)
+            else:
+                self.dram.forget(ino, c)  # the shim writes it without DramFiles
             planned.append((c, start, stop, loc))
         return WritePlan(ino, planned)
 
