@@ -58,7 +58,8 @@ def print_status(st: dict) -> None:
     total = r["chunks_from_dram"] + r["chunks_from_nvme"]
     hit = f"{100 * r['chunks_from_dram'] / total:.1f}%" if total else "-"
     print(f"reads: {r['chunks_from_dram']} chunks from DRAM, {r['chunks_from_nvme']} from NVMe "
-          f"(DRAM hit rate {hit}), {r['checksum_errors']} checksum errors")
+          f"(DRAM hit rate {hit}), {r['checksum_errors']} checksum errors, "
+          f"{r.get('dram_checked_chunks', 0)} DRAM copies checked")
     lat = [f"{name} p50 {_percentile(r.get(f'{name}_latency_us_log2_histogram'), 0.5)}"
            f" p99 {_percentile(r.get(f'{name}_latency_us_log2_histogram'), 0.99)}"
            for name in ("dram", "nvme") if f"{name}_latency_us_log2_histogram" in r]

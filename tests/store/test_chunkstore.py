@@ -454,7 +454,7 @@ def test_status_json_shape(kv):
     out = os.popen(f"python -m kvfs.cli.ctl where {kv.path / 'x'} --json").read()
     assert json.loads(out)["chunks"][0]["tiers"] == ["dram"]
     text = os.popen(f"python -m kvfs.cli.ctl status {kv.path}").read()
-    assert "dram" in text and "hit rate" in text
+    assert "dram" in text and "hit rate" in text and "DRAM copies checked" in text
 
 
 def test_where_pages_large_files(kv):
