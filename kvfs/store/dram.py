@@ -193,7 +193,7 @@ class DramFiles:
         return got == seq
 
     def forget(self, ino: int, c: int | None = None) -> None:
-        """Region (ino, c), or from chunk *c* on, or all of *ino* (None), may change."""
+        """Region (ino, c), or every region of *ino* (c None), may change: drop its marks."""
         marks = self._checked.get(ino)
         if marks is None:
             return
