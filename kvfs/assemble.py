@@ -49,7 +49,7 @@ class Assembly:
             # verify=False: the store checks the xxh3 of every decoded chunk itself
             codec=Codec(CodecPolicy(enabled=s.compress, verify=False)),
             io_threads=s.io_threads, policy=self.policy, dram_compress=s.dram_compress,
-            dram_verify=s.dram_verify)
+            dram_verify=s.dram_verify, read_through_min=s.read_through_min)
         self.policy.pinned = lambda key: key[0] in self.store.dram.pins
         self.ns = Namespace(self.meta)
         for ino, size in self.store.recovered_sizes.items():
@@ -77,6 +77,7 @@ class Assembly:
             extra.append(lambda: {"evictions": {"files": self.evictor.evicted_files,
                                                 "bytes": self.evictor.evicted_bytes}})
         self.store.codec_context = self._codec_context
+        self.store.size_of = self._size_of
         self.demoter = Demoter(self.store, high=s.dram_high_watermark, low=s.dram_low_watermark,
                                writeback_age=WRITEBACK_AGE_S)
         self.store.kick_demoter = self.demoter.kick
@@ -110,6 +111,7 @@ class Assembly:
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
+            self.store.spawn = nursery.start_soon  # read-ahead of read-through files
             nursery.start_soon(self.demoter.run)
             nursery.start_soon(self.cleaner.run)
             nursery.start_soon(self.readahead.run)

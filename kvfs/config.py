@@ -117,6 +117,11 @@ class Settings:
     # Keep clean DRAM copies (prefetched, promoted, written back) compressed as on NVMe: more
     # chunks fit (1.2-1.5x for fp16/bf16 KV), and each DRAM hit pays a decode in a worker.
     dram_compress: bool = False
+    # Files at least this long (0: none) are read from NVMe through the daemon, a few chunks
+    # ahead of the reader into its memory, instead of being staged whole in DRAM for the
+    # kernel to read (nor prefetched into DRAM, nor promoted): for a big file that overlaps
+    # the disk with the copy to the reader and spares a second copy into fresh tmpfs pages.
+    read_through_min: str | int = "8M"
     # Worker threads for disk I/O, checksums and compression.
     io_threads: int = 8
     # Prefetch: chunks staged ahead of the reader (whole-file readahead on open).
@@ -149,6 +154,7 @@ class Settings:
         s.dram_size = parse_size(self.dram_size, base=_mem_available(), what="dram_size")
         s.nvme_size = parse_size(self.nvme_size, base=_free_bytes(self.nvme_dir), what="nvme_size")
         s.prefetch_bandwidth = parse_size(self.prefetch_bandwidth, what="prefetch_bandwidth")
+        s.read_through_min = parse_size(self.read_through_min, what="read_through_min")
         if s.dram_size < 4 * s.chunk_size:
             raise ConfigError(f"dram_size must hold at least 4 chunks, not {self.dram_size}")
         if s.nvme_size < 4 * s.segment_size:

@@ -406,6 +406,8 @@ class Operations(pyfuse3.Operations):
         # Readahead hears of the open first: its predictions of what comes next start now,
         # not after this file's own staging from NVMe.
         self.readahead.opened(inode, flags, node.size, ctx.pid)
+        if flags & os.O_ACCMODE != os.O_WRONLY and self.store.reads_through(inode, node.size):
+            self.store.start_read_through(inode, node.size)  # its first chunks, from NVMe
         mode = await self._passthrough_mode(node, flags)
         if mode is not None and not mode[1] and not mode[2]:
             # The kernel reads it without us: the whole file counts as read now.
@@ -520,6 +522,8 @@ class Operations(pyfuse3.Operations):
             if parent is not None:  # the size files written in that directory reach
                 self.stream_policy.closed(parent, node.size)
         node.opens -= 1
+        if not node.opens:
+            self.store.end_read_through(h.ino)
         self.readahead.closed(h.ino, h.pid)
         if node.nlink > 0:
             await self.store.seal(h.ino, node.size)

@@ -65,7 +65,10 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                         "included; open: at every open too, half the read bandwidth; "
                         "ingest: only as bytes enter DRAM), dram_huge (an empty "
                         "--dram-dir gets a tmpfs of its own with 2 MiB pages: faster dense "
-                        "files, but a sparse file's scattered chunks take 2 MiB each)")
+                        "files, but a sparse file's scattered chunks take 2 MiB each), "
+                        "read_through_min= (files at least this long, default 8M, 0 for "
+                        "none, are read from NVMe through the daemon with read-ahead "
+                        "instead of being staged whole in DRAM first)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

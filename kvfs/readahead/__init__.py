@@ -321,7 +321,8 @@ class Readahead:
                 break  # the chain came back on itself
             n += 1
             r.window[key] = r.pos
-            self.sched.want(key, r, now + n * gap, kind)
+            if not self.store.reads_through(key[0]):  # (those are read ahead by the store)
+                self.sched.want(key, r, now + n * gap, kind)
 
     def _drop_window(self, r: Reader) -> None:
         self._release_held(r)

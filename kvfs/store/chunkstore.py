@@ -78,6 +78,13 @@ PROMOTE_SHARE = 0.9
 # returns, so that the kernel reads it from there (passthrough), if it is at most this long:
 # the open then waits for all of it, which a reader of a KV block wants anyway.
 STAGE_FILE_MAX = 64 << 20
+# A reader of a file at least `read_through_min` long (an option) is not staged: its NVMe
+# chunks are read through the daemon, a few ahead of it into the daemon's memory (not the
+# DRAM tier), and nothing is promoted. Staging such a file costs fresh tmpfs pages and a
+# second copy for every byte, and the reader waits for all of it before its first byte;
+# a stream overlaps the disk with the copies to the reader.
+READ_AHEAD_BYTES = 8 << 20  # per sequential reader, in flight or ready (at least 2 chunks)
+READ_AHEAD_READERS = 4  # the read-ahead memory is READ_AHEAD_READERS x READ_AHEAD_BYTES
 # Files open in passthrough mode cannot lose their DRAM copies; they may hold at most this
 # share of the tier, so that writes always find room to demote into.
 PASSTHROUGH_SHARE = 0.5
@@ -172,6 +179,16 @@ class Counters:
     stream_opens: int = 0  # new files the kernel wrote straight into their DRAM file
     streamed_chunks: int = 0  # ... chunks taken from them (at close or fsync)
     unpacked: int = 0  # DRAM hits that decoded a packed copy
+    read_ahead: int = 0  # NVMe chunks read ahead of a read-through reader (into memory)
+    read_ahead_used: int = 0  # ... and then read by it (in chunks_from_nvme)
+
+
+@dataclass(eq=False)
+class _Ahead:
+    """A chunk read ahead of a sequential reader into the daemon's memory (read-through)."""
+    loc: Loc  # the location it was read from: used only while the chunk is still there
+    done: trio.Event = field(default_factory=trio.Event)
+    data: bytes | bytearray | None = None  # verified bytes, None until done or if it failed
 
 
 @dataclass(eq=False)
@@ -204,7 +221,7 @@ class ChunkStore:
     def __init__(self, meta: MetaStore, fs_uuid: str, *, chunk_size: int, dram_dir: str,
                  dram_size: int, nvme_dir: str, nvme_size: int, segment_size: int,
                  codec: Codec, io_threads: int, policy, dram_compress: bool = False,
-                 dram_verify: str = "once") -> None:
+                 dram_verify: str = "once", read_through_min: int = 0) -> None:
         self.meta = meta
         self.cs = chunk_size
         self.codec = codec
@@ -276,6 +293,14 @@ class ChunkStore:
         # Their sizes as found at mount (a crash while they were written): the assembly
         # gives them to the namespace.
         self.recovered_sizes: dict[int, int] = {}
+        # Read-through (READ_AHEAD_CHUNKS): files at least this long (0: none) are read
+        # from NVMe through the daemon with read-ahead instead of being staged in DRAM.
+        self.read_through_min = read_through_min
+        self.size_of: Callable[[int], int | None] = lambda ino: None  # set by the assembly
+        self.spawn: Callable | None = None  # starts a read-ahead task (the daemon's nursery)
+        self._ahead: dict[tuple[int, int], _Ahead] = {}  # oldest first
+        self._ahead_bytes = 0
+        self._next_read: dict[int, int] = {}  # read-through file -> chunk its reader reads next
         self._load()
 
     # -- startup ---------------------------------------------------------------------------
@@ -683,19 +708,24 @@ class ChunkStore:
             return b""
         cs = self.cs
         first, last = off // cs, (end - 1) // cs
+        through = self.reads_through(ino, file_size)
+        if through:
+            self._sequential_read(ino, first, last, self._nchunks(file_size))
+            self._next_read[ino] = end // cs
         if first == last:
-            return await self._read_piece(ino, first, off - first * cs, end - off, verified)
+            return await self._read_piece(ino, first, off - first * cs, end - off, verified,
+                                          through)
         parts = []
         for c in range(first, last + 1):
             start = max(off, c * cs) - c * cs
             stop = min(end, (c + 1) * cs) - c * cs
-            part = await self._read_piece(ino, c, start, stop - start, verified)
+            part = await self._read_piece(ino, c, start, stop - start, verified, through)
             # A view of the scratch buffer is only valid until the next await: copy it.
             parts.append(bytes(part) if isinstance(part, memoryview) else part)
         return b"".join(parts)
 
     async def _read_piece(self, ino: int, c: int, start: int, length: int,
-                          verified: set | None) -> bytes | memoryview:
+                          verified: set | None, through: bool = False) -> bytes | memoryview:
         t0 = time.perf_counter()
         while True:
             loc = self.get(ino, c)
@@ -740,7 +770,25 @@ class ChunkStore:
                 return _slice(view, 0, length)
             if (ino, c) in self._prefetching:
                 self.counters.prefetch_late += 1
-            data = await self.fetch(ino, c, loc, stage=self.dram.capacity * PROMOTE_SHARE)
+            ahead = self._ahead.get((ino, c)) if through else None
+            if ahead is not None and ahead.loc != loc:
+                self._drop_ahead((ino, c), ahead)  # read before the chunk changed
+                ahead = None
+            if ahead is not None:
+                await ahead.done.wait()
+                finished = start + length >= loc.raw_len  # the reader is done with it
+                if finished or ahead.data is None:
+                    self._drop_ahead((ino, c), ahead)
+                if ahead.data is not None:
+                    if self.get(ino, c) != loc:
+                        continue  # the chunk changed meanwhile: start over
+                    self.counters.read_ahead_used += finished
+                    self.counters.chunks_from_nvme += 1
+                    self._record_latency(t0, self.counters.read_latency_nvme_us)
+                    return _slice(memoryview(ahead.data), start, length)
+                # The read-ahead failed: the ordinary fetch below says why (EIO).
+            data = await self.fetch(ino, c, loc,
+                                    stage=None if through else self.dram.capacity * PROMOTE_SHARE)
             if data is None:
                 continue  # the chunk changed while we read it: start over
             if verified is not None:
@@ -748,6 +796,74 @@ class ChunkStore:
             self.counters.chunks_from_nvme += 1
             self._record_latency(t0, self.counters.read_latency_nvme_us)
             return _slice(memoryview(data), start, length)
+
+    # -- read-through: NVMe chunks read ahead of a sequential reader, into memory ----------
+    def reads_through(self, ino: int, size: int | None = None) -> bool:
+        """Is this file read from NVMe through the daemon (read-ahead, no staging, no
+        promotion, no prefetch into DRAM)? Files of at least `read_through_min` bytes are."""
+        if not self.read_through_min:
+            return False
+        if size is None:
+            size = self.size_of(ino)
+        return size is not None and size >= self.read_through_min
+
+    def start_read_through(self, ino: int, size: int) -> None:
+        """A reader opened a read-through file: start reading its first chunks."""
+        self._sequential_read(ino, 0, 0, self._nchunks(size))
+
+    def _sequential_read(self, ino: int, c: int, last: int, nchunks: int) -> None:
+        """A read of chunks c..last of a read-through file: if it goes on where the last
+        read ended (or at the start), have them and READ_AHEAD_BYTES after them in flight or
+        ready, each chunk read by its own worker. A read elsewhere is a seek: its chunks are
+        read on demand, and nothing ahead of them."""
+        if self.spawn is None or (c and self._next_read.get(ino) != c
+                                  and (ino, c) not in self._ahead):
+            return
+        ahead = max(2, READ_AHEAD_BYTES // self.cs)
+        budget = READ_AHEAD_READERS * ahead * self.cs
+        for n in range(c, min(last + 1 + ahead, nchunks)):
+            key = (ino, n)
+            if key in self._ahead or key in self._fetching:
+                continue
+            loc = self.get(ino, n)
+            if loc is None or loc.dram_slot >= 0 or loc.flags & LOST:
+                continue
+            if self._ahead_bytes + loc.raw_len > budget and not self._evict_ahead(ino):
+                return
+            ahead = self._ahead[key] = _Ahead(loc)
+            self._ahead_bytes += loc.raw_len
+            self.counters.read_ahead += 1
+            self.spawn(self._read_ahead, key, ahead)
+
+    def _evict_ahead(self, ino: int) -> bool:
+        """Make room for one more read-ahead chunk of *ino* by dropping the oldest ready
+        chunk of another file (its reader went elsewhere, or is slower). False if none."""
+        for key, ahead in self._ahead.items():
+            if key[0] != ino and ahead.done.is_set():
+                self._drop_ahead(key, ahead)
+                return True
+        return False
+
+    async def _read_ahead(self, key: tuple[int, int], ahead: _Ahead) -> None:
+        try:
+            ahead.data = await self.fetch(key[0], key[1], ahead.loc, stage=None)
+        except ChunkError:
+            ahead.data = None  # the reader's own fetch will report it
+        finally:
+            ahead.done.set()
+            if ahead.data is None:
+                self._drop_ahead(key, ahead)
+
+    def _drop_ahead(self, key: tuple[int, int], ahead: _Ahead) -> None:
+        if self._ahead.get(key) is ahead:
+            del self._ahead[key]
+            self._ahead_bytes -= ahead.loc.raw_len
+
+    def end_read_through(self, ino: int) -> None:
+        """The file's last handle is closed: what was read ahead for it goes."""
+        self._next_read.pop(ino, None)
+        for key in [k for k in self._ahead if k[0] == ino]:
+            self._drop_ahead(key, self._ahead[key])
 
     def _check_needed(self, ino: int, c: int, loc: Loc, consume: bool = True) -> bool:
         """Must a read hash this sealed DRAM copy before trusting it? `dram_verify=open`: yes,
@@ -1056,6 +1172,8 @@ class ChunkStore:
                 if (loc := self.get(ino, c)).dram_slot < 0]
         if not todo:
             return 0
+        if self.reads_through(ino, size):
+            return -1
         need = sum(pages(loc.raw_len) for _, loc in todo)
         if (size > STAGE_FILE_MAX or any(loc.flags & LOST for _, loc in todo)
                 or not self.promotion_room(need)):
@@ -1806,6 +1924,7 @@ class ChunkStore:
         if ino in self.allocated:
             self._set_allocated(ino, 0)
         self.file_bytes.pop(ino, None)
+        self.end_read_through(ino)
         self.file_deleted(ino)
 
     # -- introspection -----------------------------------------------------------------------
@@ -1865,6 +1984,10 @@ class ChunkStore:
                       "checksum_errors": k.checksum_errors,
                       # DRAM copies hashed before a read trusted them (-o dram_verify)
                       "dram_checked_chunks": k.dram_checks,
+                      # read-through files (-o read_through_min): NVMe chunks read ahead of
+                      # their reader into the daemon's memory, and how many it then read
+                      "read_ahead_chunks": k.read_ahead,
+                      "read_ahead_used_chunks": k.read_ahead_used,
                       "latency_us_log2_histogram": list(k.read_latency_us),
                       "dram_latency_us_log2_histogram": list(k.read_latency_dram_us),
                       "nvme_latency_us_log2_histogram": list(k.read_latency_nvme_us)},

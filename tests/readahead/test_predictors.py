@@ -46,6 +46,10 @@ class FakeStore:
         self.prefetch_limiter = trio.CapacityLimiter(4)
         self.dram = SimpleNamespace(capacity=64 * CS)
         self.in_dram: set = set()
+        self.through: set = set()  # files read through the daemon, never prefetched
+
+    def reads_through(self, ino, size=None):
+        return ino in self.through
 
     def get(self, ino, c):
         size = self.sizes.get(ino)
@@ -230,6 +234,17 @@ def test_whole_file_readahead_on_open():
     assert sorted(ra.sched.wants) == [(5, 2), (5, 3), (5, 4)]
     ra.read(5, 5 * CS, 4096, pid=1)  # the read at EOF is not a step
     assert sorted(ra.sched.wants) == [(5, 2), (5, 3), (5, 4)]
+
+
+def test_read_through_files_are_predicted_but_not_prefetched():
+    sizes = {i: 2 * CS for i in range(10, 14)}
+    ra, store, clock = make(sizes, depth=6)
+    store.through.add(12)  # the store reads this one ahead of its reader itself
+    for ino in range(10, 14):
+        ra.created(ino, 1, pid=7)
+        clock.tick()
+    ra.opened(10, os.O_RDONLY, 2 * CS, pid=8)
+    assert wanted_files(ra) == [10, 11, 13]  # the chain goes on past it
 
 
 def test_write_only_open_predicts_nothing():
