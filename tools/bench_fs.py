@@ -10,15 +10,19 @@ For each file size (default 256 KiB, 4 MiB, 32 MiB) and each configuration
     kvfs-dram       kvfs whose DRAM tier holds the whole working set (reads verified
                     DRAM-resident)
     disk            plain files on the NVMe filesystem (ext4), O_DIRECT from aligned buffers,
-                    page cache dropped between the write and the read pass
+                    page cache dropped between the write and the read pass; with kvfs-nvme
+                    or kvfs-nvme-raw in the same run, its read pass takes turns with theirs
+                    batch by batch (below), and the NVMe/disk ratio is the median of the
+                    per-batch ratios: this disk's speed swings 2x within minutes
     kvfs-nvme       kvfs with a DRAM tier much smaller than the data (writes stream through
                     demotion, which compresses); then a clean unmount, the DRAM tier is thrown
                     away and the store remounted with a fresh one, so every chunk is on NVMe
                     only (verified) before the read pass
     kvfs-nvme-raw   kvfs-nvme with compression off (-o compress=0). With kvfs-nvme in the
                     same run, both stores are written in turn, then both remounted and their
-                    read passes alternate batch by batch (AB BA ...): the compressed-read
-                    ratio is the median of per-batch ratios, as for the random pair below
+                    read passes (and the disk's) alternate batch by batch (ABC CBA ...): the
+                    compressed-read ratio is the median of per-batch ratios, as for the
+                    random pair below
     kvfs-nvme-random, kvfs-nvme-raw-random
                     write pass only, of incompressible data (os.urandom), through kvfs-nvme
                     with compression on and off: what compression costs when it cannot win.
@@ -103,8 +107,9 @@ LABELS = {"tmpfs": "tmpfs", "fuse-null": "fuse-null (FUSE floor)",
           "kvfs-nvme-random": "kvfs NVMe, random data",
           "kvfs-nvme-raw-random": "  same, uncompressed"}
 WRITE_ONLY = ("kvfs-nvme-random", "kvfs-nvme-raw-random")
-# Run together when both are chosen: their read passes alternate batch by batch.
-READ_PAIR = ("kvfs-nvme", "kvfs-nvme-raw")
+# Run together when more than one is chosen: their read passes alternate batch by batch
+# (the disk here gives anything from 0.6 to 1.6 GiB/s from one minute to the next).
+READ_PAIR = ("disk", "kvfs-nvme", "kvfs-nvme-raw")
 READ_BATCHES = 8
 # Ratios printed for every size: (JSON key, numerator, denominator, label).
 RATIOS = (("kvfs_dram_tmpfs", "kvfs-dram", "tmpfs", "kvfs DRAM / tmpfs"),
@@ -859,12 +864,14 @@ def read_facts(m: KvfsMount, before: dict, extra: dict) -> None:
 
 def run_paired_reads(kinds: list[str], size: int, n: int, blocks: Blocks, buf: memoryview,
                      tmp: Path, args, env: dict) -> dict[str, dict]:
-    """kvfs-nvme and kvfs-nvme-raw together: each mount's write pass as in run_kvfs, one
-    after the other; then both are up, every chunk on NVMe only, and the read passes go in
-    batches, the kinds alternating batch by batch (AB BA AB ...), so the two read figures
-    share the machine's mood to within a second (issue 4's "not slower" is finer than the
-    noise of separate runs). Not profiled."""
-    mounts = {k: kvfs_mount(k, size * n, tmp, args, env) for k in kinds}
+    """The disk, kvfs-nvme and kvfs-nvme-raw together (any two of them or all three): the
+    disk's O_DIRECT write pass and each mount's as in run_kvfs, one after the other; then
+    every mount is up with every chunk on NVMe only, and the read passes go in batches, the
+    kinds taking turns batch by batch (ABC CBA ABC ...), so that the read figures share the
+    machine's mood to within a second: the disk's speed swings by 2x here from one minute to
+    the next, and issue 4's "not slower" is finer than the noise of separate runs. Not
+    profiled."""
+    mounts = {k: kvfs_mount(k, size * n, tmp, args, env) for k in kinds if k != "disk"}
     nbatch = max(1, min(READ_BATCHES, n))
     bounds = [n * j // nbatch for j in range(nbatch + 1)]
     extras = {k: mount_facts(m) for k, m in mounts.items()}
@@ -873,6 +880,11 @@ def run_paired_reads(kinds: list[str], size: int, n: int, blocks: Blocks, buf: m
     writes, paths, before = {}, {}, {}
     step, current = ["mount"], kinds[0]
     try:
+        if "disk" in kinds:
+            current, step[0] = "disk", "write pass"
+            paths["disk"] = file_paths(str(tmp / "disk" / "blocks"), n)
+            writes["disk"] = write_files(paths["disk"], size, blocks, direct=True)
+            extras["disk"] = {}
         for current, m in mounts.items():
             step[0] = "mount"
             m.mount()
@@ -888,22 +900,26 @@ def run_paired_reads(kinds: list[str], size: int, n: int, blocks: Blocks, buf: m
                 lo, hi = bounds[j], bounds[j + 1]
                 for current in kinds if j % 2 == 0 else kinds[::-1]:
                     spent[current].append(read_files(
-                        paths[current][lo:hi], size, blocks, buf, direct=False,
+                        paths[current][lo:hi], size, blocks, buf, direct=current == "disk",
                         verify=args.verify, lat=lats[current], first=lo))
         out = {}
-        for current, m in mounts.items():
+        for current in kinds:
             extra = extras[current]
             extra.update(latency(lats[current]))
             extra["read_batch_s"] = spent[current]
-            read_facts(m, before[current], extra)
+            if current in mounts:
+                read_facts(mounts[current], before[current], extra)
             out[current] = result(size, n, writes[current], sum(spent[current]), **extra)
         return out
     except (OSError, BenchError, subprocess.SubprocessError) as exc:
+        if current not in mounts:
+            raise BenchError(f"disk {step[0]}: {exc}") from None
         raise failure(mounts[current], step[0], exc, args.timeout) from None
     finally:
         for m in mounts.values():
             m.cleanup()
             shutil.rmtree(m.base, ignore_errors=True)
+        shutil.rmtree(tmp / "disk", ignore_errors=True)
 
 
 def settle(m: KvfsMount, timeout: float) -> None:
