@@ -121,7 +121,7 @@ class Settings:
     # ahead of the reader into its memory, instead of being staged whole in DRAM for the
     # kernel to read (nor prefetched into DRAM, nor promoted): for a big file that overlaps
     # the disk with the copy to the reader and spares a second copy into fresh tmpfs pages.
-    read_through_min: str | int = "8M"
+    read_through_min: str | int = "4M"
     # Worker threads for disk I/O, checksums and compression.
     io_threads: int = 8
     # Prefetch: chunks staged ahead of the reader (whole-file readahead on open).

@@ -66,7 +66,7 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                         "ingest: only as bytes enter DRAM), dram_huge (an empty "
                         "--dram-dir gets a tmpfs of its own with 2 MiB pages: faster dense "
                         "files, but a sparse file's scattered chunks take 2 MiB each), "
-                        "read_through_min= (files at least this long, default 8M, 0 for "
+                        "read_through_min= (files at least this long, default 4M, 0 for "
                         "none, are read from NVMe through the daemon with read-ahead "
                         "instead of being staged whole in DRAM first)")
 

@@ -321,7 +321,9 @@ class Readahead:
                 break  # the chain came back on itself
             n += 1
             r.window[key] = r.pos
-            if not self.store.reads_through(key[0]):  # (those are read ahead by the store)
+            if self.store.reads_through(key[0]):  # read ahead into memory, not DRAM
+                self.store.read_ahead_predicted(*key)
+            else:
                 self.sched.want(key, r, now + n * gap, kind)
 
     def _drop_window(self, r: Reader) -> None:

@@ -85,6 +85,8 @@ STAGE_FILE_MAX = 64 << 20
 # a stream overlaps the disk with the copies to the reader.
 READ_AHEAD_BYTES = 8 << 20  # per sequential reader, in flight or ready (at least 2 chunks)
 READ_AHEAD_READERS = 4  # the read-ahead memory is READ_AHEAD_READERS x READ_AHEAD_BYTES
+# A chunk read ahead on a prediction and not read within this long may make room for others.
+AHEAD_STALE_S = 2.0
 # Files open in passthrough mode cannot lose their DRAM copies; they may hold at most this
 # share of the tier, so that writes always find room to demote into.
 PASSTHROUGH_SHARE = 0.5
@@ -188,6 +190,7 @@ class _Ahead:
     """A chunk read ahead of a sequential reader into the daemon's memory (read-through)."""
     loc: Loc  # the location it was read from: used only while the chunk is still there
     done: trio.Event = field(default_factory=trio.Event)
+    since: float = field(default_factory=time.monotonic)
     data: bytes | bytearray | None = None  # verified bytes, None until done or if it failed
 
 
@@ -819,26 +822,52 @@ class ChunkStore:
         if self.spawn is None or (c and self._next_read.get(ino) != c
                                   and (ino, c) not in self._ahead):
             return
-        ahead = max(2, READ_AHEAD_BYTES // self.cs)
-        budget = READ_AHEAD_READERS * ahead * self.cs
-        for n in range(c, min(last + 1 + ahead, nchunks)):
-            key = (ino, n)
-            if key in self._ahead or key in self._fetching:
-                continue
-            loc = self.get(ino, n)
-            if loc is None or loc.dram_slot >= 0 or loc.flags & LOST:
+        window = max(2, READ_AHEAD_BYTES // self.cs)
+        budget = READ_AHEAD_READERS * window * self.cs
+        for n in range(c, min(last + 1 + window, nchunks)):
+            loc = self._ahead_candidate(ino, n)
+            if loc is None:
                 continue
             if self._ahead_bytes + loc.raw_len > budget and not self._evict_ahead(ino):
                 return
-            ahead = self._ahead[key] = _Ahead(loc)
-            self._ahead_bytes += loc.raw_len
-            self.counters.read_ahead += 1
-            self.spawn(self._read_ahead, key, ahead)
+            self._start_ahead((ino, n), loc)
 
-    def _evict_ahead(self, ino: int) -> bool:
+    def read_ahead_predicted(self, ino: int, c: int) -> None:
+        """Readahead predicts a read of chunk *c* of read-through file *ino* (the next file
+        of a write-order chain, say): read it ahead into memory, within half the read-ahead
+        memory (the rest is for the readers' own windows)."""
+        loc = self._ahead_candidate(ino, c) if self.spawn is not None else None
+        if loc is None:
+            return
+        budget = READ_AHEAD_READERS * max(2, READ_AHEAD_BYTES // self.cs) * self.cs
+        if self._ahead_bytes + loc.raw_len > budget // 2 and not self._evict_ahead(
+                ino, older_than=time.monotonic() - AHEAD_STALE_S):
+            return
+        self._start_ahead((ino, c), loc)
+
+    def _ahead_candidate(self, ino: int, c: int) -> Loc | None:
+        """The location of an NVMe-only chunk to read ahead, or None."""
+        key = (ino, c)
+        if key in self._ahead or key in self._fetching:
+            return None
+        loc = self.get(ino, c)
+        if loc is None or loc.dram_slot >= 0 or loc.flags & LOST:
+            return None
+        return loc
+
+    def _start_ahead(self, key: tuple[int, int], loc: Loc) -> None:
+        ahead = self._ahead[key] = _Ahead(loc)
+        self._ahead_bytes += loc.raw_len
+        self.counters.read_ahead += 1
+        self.spawn(self._read_ahead, key, ahead)
+
+    def _evict_ahead(self, ino: int, older_than: float | None = None) -> bool:
         """Make room for one more read-ahead chunk of *ino* by dropping the oldest ready
-        chunk of another file (its reader went elsewhere, or is slower). False if none."""
+        chunk of another file (its reader went elsewhere, or is slower; a predicted read
+        only takes one that waited longer than AHEAD_STALE_S). False if none."""
         for key, ahead in self._ahead.items():
+            if older_than is not None and ahead.since > older_than:
+                return False  # (oldest first: the rest are younger still)
             if key[0] != ino and ahead.done.is_set():
                 self._drop_ahead(key, ahead)
                 return True

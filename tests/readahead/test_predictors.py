@@ -48,8 +48,13 @@ class FakeStore:
         self.in_dram: set = set()
         self.through: set = set()  # files read through the daemon, never prefetched
 
+        self.read_ahead: list = []
+
     def reads_through(self, ino, size=None):
         return ino in self.through
+
+    def read_ahead_predicted(self, ino, c):
+        self.read_ahead.append((ino, c))
 
     def get(self, ino, c):
         size = self.sizes.get(ino)
@@ -236,7 +241,7 @@ def test_whole_file_readahead_on_open():
     assert sorted(ra.sched.wants) == [(5, 2), (5, 3), (5, 4)]
 
 
-def test_read_through_files_are_predicted_but_not_prefetched():
+def test_read_through_files_are_read_ahead_not_prefetched():
     sizes = {i: 2 * CS for i in range(10, 14)}
     ra, store, clock = make(sizes, depth=6)
     store.through.add(12)  # the store reads this one ahead of its reader itself
@@ -245,6 +250,7 @@ def test_read_through_files_are_predicted_but_not_prefetched():
         clock.tick()
     ra.opened(10, os.O_RDONLY, 2 * CS, pid=8)
     assert wanted_files(ra) == [10, 11, 13]  # the chain goes on past it
+    assert store.read_ahead == [(12, 0), (12, 1)]  # into memory, by the store
 
 
 def test_write_only_open_predicts_nothing():
