@@ -87,6 +87,9 @@ READ_AHEAD_BYTES = 8 << 20  # per sequential reader, in flight or ready (at leas
 READ_AHEAD_READERS = 4  # the read-ahead memory is READ_AHEAD_READERS x READ_AHEAD_BYTES
 # A chunk read ahead on a prediction and not read within this long may make room for others.
 AHEAD_STALE_S = 2.0
+# Chunks of read-through files read once are remembered, up to this many DRAM tiers' worth:
+# a chunk read again meanwhile is reused, and is promoted into DRAM.
+READ_THROUGH_SEEN_SHARE = 2
 # Files open in passthrough mode cannot lose their DRAM copies; they may hold at most this
 # share of the tier, so that writes always find room to demote into.
 PASSTHROUGH_SHARE = 0.5
@@ -304,6 +307,10 @@ class ChunkStore:
         self._ahead: dict[tuple[int, int], _Ahead] = {}  # oldest first
         self._ahead_bytes = 0
         self._next_read: dict[int, int] = {}  # read-through file -> chunk its reader reads next
+        # Chunks of read-through files read once lately (oldest first): a second read
+        # promotes them (`_read_through_done`).
+        self._seen_through: dict[tuple[int, int], bool] = {}
+        self._seen_max = max(1024, READ_THROUGH_SEEN_SHARE * dram_size // chunk_size)
         self._load()
 
     # -- startup ---------------------------------------------------------------------------
@@ -788,6 +795,8 @@ class ChunkStore:
                     self.counters.read_ahead_used += finished
                     self.counters.chunks_from_nvme += 1
                     self._record_latency(t0, self.counters.read_latency_nvme_us)
+                    if finished:
+                        self._read_through_done(ino, c, loc, ahead.data)
                     return _slice(memoryview(ahead.data), start, length)
                 # The read-ahead failed: the ordinary fetch below says why (EIO).
             data = await self.fetch(ino, c, loc,
@@ -798,6 +807,8 @@ class ChunkStore:
                 verified.add((c, loc.seq))  # fetch verified it
             self.counters.chunks_from_nvme += 1
             self._record_latency(t0, self.counters.read_latency_nvme_us)
+            if through and start + length >= loc.raw_len:
+                self._read_through_done(ino, c, loc, data)
             return _slice(memoryview(data), start, length)
 
     # -- read-through: NVMe chunks read ahead of a sequential reader, into memory ----------
@@ -859,7 +870,7 @@ class ChunkStore:
         ahead = self._ahead[key] = _Ahead(loc)
         self._ahead_bytes += loc.raw_len
         self.counters.read_ahead += 1
-        self.spawn(self._read_ahead, key, ahead)
+        self.spawn(self._background, "read-ahead", partial(self._read_ahead, key, ahead))
 
     def _evict_ahead(self, ino: int, older_than: float | None = None) -> bool:
         """Make room for one more read-ahead chunk of *ino* by dropping the oldest ready
@@ -882,6 +893,32 @@ class ChunkStore:
             ahead.done.set()
             if ahead.data is None:
                 self._drop_ahead(key, ahead)
+
+    def _read_through_done(self, ino: int, c: int, loc: Loc, data) -> None:
+        """A reader has read a whole chunk of a read-through file. The second time that
+        happens while the chunk is remembered (the last READ_THROUGH_SEEN_SHARE x DRAM's
+        worth of such chunks), the chunk is reused: its bytes are copied into DRAM in the
+        background, if there is room without evicting anything (a promotion)."""
+        key = (ino, c)
+        if not self._seen_through.pop(key, False):
+            self._seen_through[key] = True
+            if len(self._seen_through) > self._seen_max:
+                del self._seen_through[next(iter(self._seen_through))]
+            return
+        if (self.spawn is not None and key not in self._fetching
+                and self.promotion_room(pages(loc.raw_len))):
+            self.spawn(self._background, "promotion of a reused chunk", partial(
+                self.fetch, ino, c, loc, stage=self.dram.capacity * PROMOTE_SHARE, raw=True,
+                want=False, have=data, limiter=self.prefetch_limiter))
+
+    @staticmethod
+    async def _background(what: str, job: Callable) -> None:
+        """Run a task of the daemon's nursery that nobody waits for: a failure is logged,
+        never let out (it would end the daemon)."""
+        try:
+            await job()
+        except Exception:
+            log.exception("%s failed", what)
 
     def _drop_ahead(self, key: tuple[int, int], ahead: _Ahead) -> None:
         if self._ahead.get(key) is ahead:
@@ -1026,13 +1063,15 @@ class ChunkStore:
 
     async def fetch(self, ino: int, c: int, loc: Loc, *, stage: float | None,
                     limiter: trio.CapacityLimiter | None = None,
-                    raw: bool = False, want: bool = True) -> bytes | memoryview | bool | None:
+                    raw: bool = False, want: bool = True,
+                    have: bytes | bytearray | None = None) -> bytes | memoryview | bool | None:
         """Read an NVMe-only chunk (verified). If DRAM holds less than *stage* bytes, the
         worker also writes the bytes into the chunk's region, which becomes its clean DRAM
         copy (no eviction); with `dram_compress` (and not *raw*) it writes the record's
         payload there instead, a packed copy. Returns the bytes (True instead unless *want*),
         or None if the chunk changed meanwhile. Writes and truncations of the chunk wait
-        until this is over."""
+        until this is over. *have*: the chunk's verified bytes, read before (read-ahead):
+        nothing is read, they are only staged."""
         key = (ino, c)
         pending = self._fetching.get(key)
         if pending is not None:
@@ -1043,7 +1082,7 @@ class ChunkStore:
             return None  # *loc* was read before an await: another fetch or a write came first
         done = self._fetching[key] = trio.Event()
         claimed = False
-        pack = not raw and self.packs(loc) and ino not in self.dram.pins
+        pack = have is None and not raw and self.packs(loc) and ino not in self.dram.pins
         length = loc.stored_len if pack else loc.raw_len
         filling = pages(length)
         held = None
@@ -1056,7 +1095,7 @@ class ChunkStore:
             seg = self.nvme.pin(loc.seg)
             try:
                 data, staged = await trio.to_thread.run_sync(
-                    self._read_to_dram, ino, c, loc, seg, held, pack, want,
+                    self._read_to_dram, ino, c, loc, seg, held, pack, want, have,
                     limiter=limiter or self.limiter)
             finally:
                 self.nvme.unpin(seg)
@@ -1090,9 +1129,11 @@ class ChunkStore:
             done.set()
 
     def _read_to_dram(self, ino: int, c: int, loc: Loc, seg, held: DramFile | None,
-                      pack: bool, want: bool) -> tuple[bytes | memoryview | None, bool]:
-        """Worker thread: `_read_record`, and if *held* (the chunk's DRAM file, its region
-        claimed) write the bytes (the payload if *pack*) into the region. Returns the bytes
+                      pack: bool, want: bool, have: bytes | bytearray | None = None
+                      ) -> tuple[bytes | memoryview | None, bool]:
+        """Worker thread: `_read_record` (unless the bytes are *have*), and if *held* (the
+        chunk's DRAM file, its region claimed) write the bytes (the payload if *pack*) into
+        the region. Returns the bytes
         (None unless *want*) and whether the region was filled (False: not asked, or the
         tmpfs is full). Bytes nobody wants go to the region straight from the read buffer
         (a raw record) or from this thread's own buffer, warm in its cache, not from fresh
@@ -1104,6 +1145,8 @@ class ChunkStore:
                 log.warning("DRAM tier: cannot stage a chunk (%s)", exc)
                 return False
 
+        if have is not None:
+            return have, held is not None and stage(have)
         if held is None:
             return self._read_record(ino, c, loc, seg, None), False
         if pack:

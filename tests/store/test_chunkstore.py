@@ -162,6 +162,9 @@ def test_big_files_are_read_through_with_read_ahead(mount_factory):
             assert buf[:n] == big[off:off + CHUNK]
     finally:
         os.close(fd)
+    # Read twice: reused, so its chunks are promoted (in the background, where room is).
+    _wait(lambda: m.status()["moves"]["promotions"] >= 30)
+    assert "dram" in m.tiers("big")
 
     # A chunk read ahead and then written over is read back as written.
     with open(m.path / "big", "rb", buffering=0) as r:
