@@ -65,6 +65,9 @@ def print_status(st: dict) -> None:
            for name in ("dram", "nvme") if f"{name}_latency_us_log2_histogram" in r]
     if lat:
         print(f"read latency (us, log2 buckets): {', '.join(lat)}")
+    if r.get("read_ahead_chunks"):
+        print(f"read-through files: {r['read_ahead_chunks']} NVMe chunks read ahead into "
+              f"memory, {r.get('read_ahead_used_chunks', 0)} of them read")
     pf = st.get("prefetch")
     if pf:
         used, issued = pf.get("used_chunks", 0), pf.get("issued_chunks", 0)

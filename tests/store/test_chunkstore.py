@@ -140,6 +140,9 @@ def test_big_files_are_read_through_with_read_ahead(mount_factory):
     # (a chunk counts once per request that reads part of it)
     assert st["reads"]["chunks_from_nvme"] - before["reads"]["chunks_from_nvme"] >= 41
     assert m.tiers("big") == {"nvme"}  # neither staged nor promoted
+    table = subprocess.run([sys.executable, "-m", "kvfs.cli.ctl", "status", str(m.path)],
+                           capture_output=True, text=True, check=True).stdout
+    assert "NVMe chunks read ahead into memory" in table
     # A small file is still brought into DRAM for its reader (staged by its open, or
     # prefetched: the write order predicts it) and read by the kernel.
     assert (m.path / "small").read_bytes() == small
