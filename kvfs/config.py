@@ -117,10 +117,10 @@ class Settings:
     # Keep clean DRAM copies (prefetched, promoted, written back) compressed as on NVMe: more
     # chunks fit (1.2-1.5x for fp16/bf16 KV), and each DRAM hit pays a decode in a worker.
     dram_compress: bool = False
-    # Files at least this long (0: none) are read from NVMe through the daemon, a few chunks
-    # ahead of the reader into its memory, instead of being staged whole in DRAM for the
-    # kernel to read (nor prefetched into DRAM, nor promoted): for a big file that overlaps
-    # the disk with the copy to the reader and spares a second copy into fresh tmpfs pages.
+    # Files at least this long (0: none) are read from NVMe through the daemon, 8 MiB ahead
+    # of the reader into its memory, instead of being staged whole in DRAM for the kernel to
+    # read (nor prefetched into DRAM; a chunk read again is promoted): for a big file that
+    # overlaps the disk with the copy to the reader and spares a copy into fresh tmpfs pages.
     read_through_min: str | int = "4M"
     # Worker threads for disk I/O, checksums and compression.
     io_threads: int = 8

@@ -79,10 +79,10 @@ PROMOTE_SHARE = 0.9
 # the open then waits for all of it, which a reader of a KV block wants anyway.
 STAGE_FILE_MAX = 64 << 20
 # A reader of a file at least `read_through_min` long (an option) is not staged: its NVMe
-# chunks are read through the daemon, a few ahead of it into the daemon's memory (not the
-# DRAM tier), and nothing is promoted. Staging such a file costs fresh tmpfs pages and a
-# second copy for every byte, and the reader waits for all of it before its first byte;
-# a stream overlaps the disk with the copies to the reader.
+# chunks are read through the daemon, ahead of it into the daemon's memory (not the DRAM
+# tier), and promoted only when read again. Staging such a file costs fresh tmpfs pages and
+# a second copy for every byte, and the reader waits for all of it before its first byte;
+# reading through overlaps the disk with the copies to the reader.
 READ_AHEAD_BYTES = 8 << 20  # per sequential reader, in flight or ready (at least 2 chunks)
 READ_AHEAD_READERS = 4  # the read-ahead memory is READ_AHEAD_READERS x READ_AHEAD_BYTES
 # A chunk read ahead on a prediction and not read within this long may make room for others.
@@ -299,7 +299,7 @@ class ChunkStore:
         # Their sizes as found at mount (a crash while they were written): the assembly
         # gives them to the namespace.
         self.recovered_sizes: dict[int, int] = {}
-        # Read-through (READ_AHEAD_CHUNKS): files at least this long (0: none) are read
+        # Read-through (READ_AHEAD_BYTES): files at least this long (0: none) are read
         # from NVMe through the daemon with read-ahead instead of being staged in DRAM.
         self.read_through_min = read_through_min
         self.size_of: Callable[[int], int | None] = lambda ino: None  # set by the assembly

@@ -183,6 +183,27 @@ def test_big_files_are_read_through_with_read_ahead(mount_factory):
     assert (m.path / "big").read_bytes() == bytes(want)
 
 
+def test_the_predicted_next_read_through_file_is_read_ahead(mount_factory):
+    """Files written one after another are read in that order: while one read-through file
+    is read, the next one's first chunks are being read ahead already (write-order chain)."""
+    m = mount_factory(read_through_min="512K")
+    files = {f"blk{i}": os.urandom(12 * CHUNK) for i in range(3)}
+    for name, data in files.items():
+        (m.path / name).write_bytes(data)
+    m.unmount()
+    m.lose_dram()
+    m.start()
+    with open(m.path / "blk0", "rb", buffering=0) as f:
+        assert f.read(CHUNK) == files["blk0"][:CHUNK]
+        _wait(lambda: m.status()["reads"]["read_ahead_chunks"] > 12)  # blk1's too
+        assert f.read() == files["blk0"][CHUNK:]
+    before = m.status()["reads"]
+    assert (m.path / "blk1").read_bytes() == files["blk1"]
+    after = m.status()["reads"]
+    assert after["read_ahead_used_chunks"] - before["read_ahead_used_chunks"] == 12
+    assert (m.path / "blk2").read_bytes() == files["blk2"]
+
+
 def _nvme_only(m, files) -> list[str]:
     """Files whose every chunk is on NVMe only. Demotion runs in the background and a loaded
     machine can lag behind the writer, so wait a little for it."""
