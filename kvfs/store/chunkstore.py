@@ -84,7 +84,9 @@ STAGE_FILE_MAX = 64 << 20
 # a second copy for every byte, and the reader waits for all of it before its first byte;
 # reading through overlaps the disk with the copies to the reader.
 READ_AHEAD_BYTES = 8 << 20  # per sequential reader, in flight or ready (at least 2 chunks)
-READ_AHEAD_READERS = 4  # the read-ahead memory is READ_AHEAD_READERS x READ_AHEAD_BYTES
+# The read-ahead memory (RAM beyond the DRAM tier) is READ_AHEAD_READERS x READ_AHEAD_BYTES,
+# but at most a quarter of the DRAM tier's size (at least 2 chunks).
+READ_AHEAD_READERS = 4
 # A chunk read ahead on a prediction and not read within this long may make room for others.
 AHEAD_STALE_S = 2.0
 # Chunks of read-through files read once are remembered, up to this many DRAM tiers' worth:
@@ -306,6 +308,9 @@ class ChunkStore:
         self.spawn: Callable | None = None  # starts a read-ahead task (the daemon's nursery)
         self._ahead: dict[tuple[int, int], _Ahead] = {}  # oldest first
         self._ahead_bytes = 0
+        self._ahead_max = max(2 * chunk_size,
+                              min(READ_AHEAD_READERS * READ_AHEAD_BYTES, dram_size // 4))
+        self._ahead_window = max(2, min(READ_AHEAD_BYTES, self._ahead_max) // chunk_size)
         self._next_read: dict[int, int] = {}  # read-through file -> chunk its reader reads next
         # Chunks of read-through files read once lately (oldest first): a second read
         # promotes them (`_read_through_done`).
@@ -833,13 +838,11 @@ class ChunkStore:
         if self.spawn is None or (c and self._next_read.get(ino) != c
                                   and (ino, c) not in self._ahead):
             return
-        window = max(2, READ_AHEAD_BYTES // self.cs)
-        budget = READ_AHEAD_READERS * window * self.cs
-        for n in range(c, min(last + 1 + window, nchunks)):
+        for n in range(c, min(last + 1 + self._ahead_window, nchunks)):
             loc = self._ahead_candidate(ino, n)
             if loc is None:
                 continue
-            if self._ahead_bytes + loc.raw_len > budget and not self._evict_ahead(ino):
+            if self._ahead_bytes + loc.raw_len > self._ahead_max and not self._evict_ahead(ino):
                 return
             self._start_ahead((ino, n), loc)
 
@@ -850,8 +853,7 @@ class ChunkStore:
         loc = self._ahead_candidate(ino, c) if self.spawn is not None else None
         if loc is None:
             return
-        budget = READ_AHEAD_READERS * max(2, READ_AHEAD_BYTES // self.cs) * self.cs
-        if self._ahead_bytes + loc.raw_len > budget // 2 and not self._evict_ahead(
+        if self._ahead_bytes + loc.raw_len > self._ahead_max // 2 and not self._evict_ahead(
                 ino, older_than=time.monotonic() - AHEAD_STALE_S):
             return
         self._start_ahead((ino, c), loc)
