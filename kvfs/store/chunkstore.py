@@ -85,7 +85,7 @@ STAGE_FILE_MAX = 64 << 20
 # reading through overlaps the disk with the copies to the reader.
 READ_AHEAD_BYTES = 8 << 20  # per sequential reader, in flight or ready (at least 2 chunks)
 # The read-ahead memory (RAM beyond the DRAM tier) is READ_AHEAD_READERS x READ_AHEAD_BYTES,
-# but at most a quarter of the DRAM tier's size (at least 2 chunks).
+# but at most half the DRAM tier's size (at least 2 chunks).
 READ_AHEAD_READERS = 4
 # A chunk read ahead on a prediction and not read within this long may make room for others.
 AHEAD_STALE_S = 2.0
@@ -309,7 +309,7 @@ class ChunkStore:
         self._ahead: dict[tuple[int, int], _Ahead] = {}  # oldest first
         self._ahead_bytes = 0
         self._ahead_max = max(2 * chunk_size,
-                              min(READ_AHEAD_READERS * READ_AHEAD_BYTES, dram_size // 4))
+                              min(READ_AHEAD_READERS * READ_AHEAD_BYTES, dram_size // 2))
         self._ahead_window = max(2, min(READ_AHEAD_BYTES, self._ahead_max) // chunk_size)
         self._next_read: dict[int, int] = {}  # read-through file -> chunk its reader reads next
         # Chunks of read-through files read once lately (oldest first): a second read

@@ -186,8 +186,8 @@ def test_big_files_are_read_through_with_read_ahead(mount_factory):
 def test_the_predicted_next_read_through_file_is_read_ahead(mount_factory):
     """Files written one after another are read in that order: while one read-through file
     is read, the next one's first chunks are being read ahead already (write-order chain).
-    (A 16 MiB DRAM tier: read-ahead memory is a quarter of it, predictions get half.)"""
-    m = mount_factory(read_through_min="512K", dram_size="16M")
+    (An 8 MiB DRAM tier: read-ahead memory is half of it, predictions get half of that.)"""
+    m = mount_factory(read_through_min="512K", dram_size="8M")
     files = {f"blk{i}": os.urandom(12 * CHUNK) for i in range(3)}
     for name, data in files.items():
         (m.path / name).write_bytes(data)
