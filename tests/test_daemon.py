@@ -37,6 +37,7 @@ def dirs(tmp_path):
     (["-o", "dram_high_watermark=2"], "watermark"),
     (["--nvme-size", "1M"], "at least 4 segments"),
     (["-o", "dram_verify=never"], "dram_verify must be once, open or ingest"),
+    (["-o", "read_through_min=big"], "read_through_min"),
 ])
 def test_bad_options(dirs, extra, message):
     mnt, dram, nvme = dirs
