@@ -789,27 +789,24 @@ class ChunkStore:
             if ahead is not None and ahead.loc != loc:
                 self._drop_ahead((ino, c), ahead)  # read before the chunk changed
                 ahead = None
+            data = None
             if ahead is not None:
                 await ahead.done.wait()
-                finished = start + length >= loc.raw_len  # the reader is done with it
-                if finished or ahead.data is None:
-                    self._drop_ahead((ino, c), ahead)
+                if start + length >= loc.raw_len or ahead.data is None:
+                    self._drop_ahead((ino, c), ahead)  # the reader is done with it, or failed
                 if ahead.data is not None:
                     if self.get(ino, c) != loc:
                         continue  # the chunk changed meanwhile: start over
-                    self.counters.read_ahead_used += finished
-                    self.counters.chunks_from_nvme += 1
-                    self._record_latency(t0, self.counters.read_latency_nvme_us)
-                    if finished:
-                        self._read_through_done(ino, c, loc, ahead.data)
-                    return _slice(memoryview(ahead.data), start, length)
-                # The read-ahead failed: the ordinary fetch below says why (EIO).
-            data = await self.fetch(ino, c, loc,
-                                    stage=None if through else self.dram.capacity * PROMOTE_SHARE)
+                    self.counters.read_ahead_used += start + length >= loc.raw_len
+                    data = ahead.data
+                # else the read-ahead failed: the ordinary fetch below says why (EIO).
             if data is None:
-                continue  # the chunk changed while we read it: start over
-            if verified is not None:
-                verified.add((c, loc.seq))  # fetch verified it
+                data = await self.fetch(
+                    ino, c, loc, stage=None if through else self.dram.capacity * PROMOTE_SHARE)
+                if data is None:
+                    continue  # the chunk changed while we read it: start over
+                if verified is not None:
+                    verified.add((c, loc.seq))  # fetch verified it
             self.counters.chunks_from_nvme += 1
             self._record_latency(t0, self.counters.read_latency_nvme_us)
             if through and start + length >= loc.raw_len:
