@@ -15,10 +15,13 @@ DRAM tier of --dram-pct percent of the replayed unique blocks and an NVMe tier b
 all of them, replays, and reports from `kvfsctl status` counters and client-side timings:
 
   DRAM hit rate among reuse reads (chunks served from DRAM / chunks read), the share served
-  on time (not waiting for an in-flight prefetch), prefetch accuracy (used / issued), wasted
-  prefetch bytes, p50/p99 block read latency (open+read+close, client side) and the p50 of
-  DRAM hits (reads sampled with `user.kvfs.where` just before reading, every --sample-every
-  reads), plus the offline LRU and Belady (OPT) hit rates for the same trace and capacity.
+  on time (not waiting for an in-flight prefetch), the share answered from the daemon's
+  read-ahead memory ("RA mem": blocks of at least -o read_through_min are read through, not
+  staged in DRAM, and predicted ones are read ahead there), prefetch accuracy (used /
+  issued), wasted prefetch bytes, p50/p99 block read latency (open+read+close, client
+  side) and the p50 of DRAM hits (reads sampled with `user.kvfs.where` just before reading,
+  every --sample-every reads), plus the offline LRU and Belady (OPT) hit rates for the same
+  trace and capacity.
 
 Two reference modes replay the same requests without kvfs, for the latency columns: `tmpfs`
 (a directory in /dev/shm: every block in DRAM, no FUSE) and `fuse-null` (tools/nullfs.py,
@@ -417,7 +420,8 @@ def summarize(run: Run) -> dict:
                 "p999_us": _r(pct(run.lat_all, 0.999), us),
                 "hit_p50_us": _r(pct(run.lat_hit, 0.5), us),
                 "hit_p99_us": _r(pct(run.lat_hit, 0.99), us), "hit_samples": len(run.lat_hit)}
-    rd = {k: a["reads"][k] - b["reads"][k] for k in ("chunks_from_dram", "chunks_from_nvme")}
+    rd = {k: a["reads"][k] - b["reads"].get(k, 0)
+          for k in ("chunks_from_dram", "chunks_from_nvme", "read_ahead_used_chunks")}
     pf = {k: a["prefetch"][k] - b["prefetch"].get(k, 0)
           for k in ("issued_chunks", "used_chunks", "late_chunks", "wasted_chunks")}
     total = rd["chunks_from_dram"] + rd["chunks_from_nvme"]
@@ -427,6 +431,9 @@ def summarize(run: Run) -> dict:
         "chunk_reads": total, "errors": run.errors, "wrong_bytes": run.wrong,
         "dram_hit_rate": rd["chunks_from_dram"] / total if total else None,
         "on_time_rate": (rd["chunks_from_dram"] - pf["late_chunks"]) / total if total else None,
+        # NVMe reads answered from the daemon's read-ahead memory (files read through, i.e.
+        # at least -o read_through_min long): read before they were asked for, not from DRAM
+        "read_ahead_rate": rd["read_ahead_used_chunks"] / total if total else None,
         "prefetch_issued": pf["issued_chunks"], "prefetch_used": pf["used_chunks"],
         "prefetch_late": pf["late_chunks"], "prefetch_wasted": pf["wasted_chunks"],
         "prefetch_unread_at_end": a["prefetch"].get("resident_unread_chunks", 0),
@@ -481,7 +488,8 @@ def print_table(meta: dict, runs: list[dict], lru: float, opt: float) -> None:
           f"worker(s), reader per {'request' if meta['reader'] == 'request' else 'pool thread'}"
           + (f", engine hints {meta['hint_ahead']} request(s) ahead" if meta["hint_ahead"]
              else ", no engine hints"))
-    hdr = (f"{'':22} {'DRAM hit':>8} {'on time':>8} {'accuracy':>8} {'wasted':>10} "
+    hdr = (f"{'':22} {'DRAM hit':>8} {'on time':>8} {'RA mem':>7} {'accuracy':>8} "
+           f"{'wasted':>10} "
            f"{'p50 us':>7} {'p99 us':>7} {'hit p50':>7} {'p99/hitp50':>10} {'secs':>6}")
     print(hdr)
     for s in runs:
@@ -489,15 +497,16 @@ def print_table(meta: dict, runs: list[dict], lru: float, opt: float) -> None:
                  else "-")
         if s["mode"] in REFERENCES:
             name = s["mode"] + (" (FUSE floor)" if s["mode"] == "fuse-null" else "")
-            print(f"{name:22} {'-':>8} {'-':>8} {'-':>8} {'-':>10} {_n(s['p50_us']):>7} "
+            print(f"{name:22} {'-':>8} {'-':>8} {'-':>7} {'-':>8} {'-':>10} {_n(s['p50_us']):>7} "
                   f"{_n(s['p99_us']):>7} {_n(s['hit_p50_us']):>7} {ratio:>10} "
                   f"{s['seconds']:>6}")
             continue
         name = f"kvfs prediction {s['mode']}"
         wasted = format_size(s["wasted_bytes"]) if s["prefetch_issued"] else "-"
         print(f"{name:22} {_p(s['dram_hit_rate']):>8} {_p(s['on_time_rate']):>8} "
-              f"{_p(s['accuracy']):>8} {wasted:>10} {_n(s['p50_us']):>7} "
-              f"{_n(s['p99_us']):>7} {_n(s['hit_p50_us']):>7} {ratio:>10} {s['seconds']:>6}")
+              f"{_p(s['read_ahead_rate']):>7} {_p(s['accuracy']):>8} {wasted:>10} "
+              f"{_n(s['p50_us']):>7} {_n(s['p99_us']):>7} {_n(s['hit_p50_us']):>7} "
+              f"{ratio:>10} {s['seconds']:>6}")
     print(f"{'offline LRU':22} {_p(lru):>8}")
     print(f"{'offline Belady (OPT)':22} {_p(opt):>8}")
     for s in runs:
