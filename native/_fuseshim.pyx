@@ -67,9 +67,10 @@ cdef extern from *:
 
     /* Writes into DRAM: see Operations.write_plan. The plan is (token, fd, ((pos, len), ...));
        None means "pyfuse3's handler", an int is an errno to answer. */
-    /* getxattr("security.capability"), which the kernel asks before every passthrough write
-       (to drop file capabilities), answered ENODATA here while no file has any security.*
-       xattr (kvfs_no_caps, kept by the namespace): one Python request less per write. */
+    /* getxattr("security.capability"), which the kernel asks before a passthrough write
+       to an inode (to drop file capabilities; once per inode, see FUSE_HANDLE_KILLPRIV_V2
+       below), answered ENODATA here while no file has any security.* xattr (kvfs_no_caps,
+       kept by the namespace): one Python request less per file written. */
     static int kvfs_no_caps = 0;
     static void (*kvfs_pyfuse3_getxattr)(fuse_req_t, fuse_ino_t, const char *, size_t) = NULL;
 
@@ -236,7 +237,14 @@ cdef extern from *:
        functions (fuse_session_custom_io) that are plain read/writev/splice, except that
        kvfs_writev edits two kinds of reply on their way to the kernel:
        - the INIT reply (the session's first) asks for FUSE_PASSTHROUGH with a stack depth
-         of 1 (backing files live on tmpfs, depth 0);
+         of 1 (backing files live on tmpfs, depth 0), and for FUSE_HANDLE_KILLPRIV_V2, with
+         which the kernel marks the mount SB_NOSEC: before a passthrough write it asks
+         getxattr("security.capability") once per inode (then sets S_NOSEC on it), not before
+         every write, which made each 4 KiB write of a stdio writer a round trip to the
+         daemon (45 us instead of ~2). The flag also leaves clearing setuid/setgid on write to
+         the server, which kvfs does not do; nor did it for its direct_io writes before (the
+         kernel sends those as FUSE_WRITE_KILL_SUIDGID, which pyfuse3 does not pass on), and a
+         FUSE mount is nosuid: the bits mean nothing here;
        - an OPEN or CREATE reply whose fh was marked with kvfs_pt_mark gets
          FOPEN_PASSTHROUGH and the backing id: the kernel then reads and writes that open
          file straight from the backing file, without a request to the daemon. */
@@ -246,6 +254,7 @@ cdef extern from *:
     #include <fcntl.h>
     #include <unistd.h>
 
+    #define KVFS_HANDLE_KILLPRIV_V2 (1u << 28)
     #define KVFS_INIT_EXT (1u << 30)
     #define KVFS_PASSTHROUGH_HI (1u << (37 - 32))
     #define KVFS_FOPEN_PASSTHROUGH (1u << 7)
@@ -288,6 +297,7 @@ cdef extern from *:
                         (init->flags & KVFS_INIT_EXT)) {
                     init->flags2 |= KVFS_PASSTHROUGH_HI;
                     init->max_stack_depth = 1;
+                    init->flags |= KVFS_HANDLE_KILLPRIV_V2;
                     kvfs_pt_granted = 1;
                 }
             } else if (kvfs_pt_reply_off != (size_t)-1 && out->error == 0 &&
@@ -476,6 +486,6 @@ def mark_passthrough(unsigned long long fh, int backing_id, bint direct=False) -
 
 def set_no_capabilities(bint none) -> None:
     """*none*: no file has a security.* xattr, so getxattr("security.capability") is answered
-    ENODATA without asking Python (it comes before every passthrough write)."""
+    ENODATA without asking Python (it comes before the first passthrough write to a file)."""
     global kvfs_no_caps
     kvfs_no_caps = 1 if none else 0

@@ -547,8 +547,8 @@ def test_a_streamed_file_unlinked_while_open_frees_its_ram(kv):
 
 
 def test_security_capability_is_answered_truthfully(kv):
-    """The shim answers getxattr("security.capability") itself (the kernel asks before each
-    passthrough write) only while no file has a security.* xattr."""
+    """The shim answers getxattr("security.capability") itself (the kernel asks before the
+    first passthrough write to a file) only while no file has a security.* xattr."""
     p = kv.path / "cap"
     p.write_bytes(b"x")
     assert _err(os.getxattr, p, "security.capability") == errno.ENODATA
