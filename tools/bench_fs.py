@@ -32,7 +32,8 @@ For each file size (default 256 KiB, 4 MiB, 32 MiB) and each configuration
 
 it writes N = total/size files and reads them back, the way an engine does:
 
-    write: open(O_CREAT|O_TRUNC) / one write() of the whole file / close   (per file)
+    write: open(O_CREAT|O_TRUNC) / one write() of the whole file / close   (per file;
+           --write-size 4K: 4 KiB per write(), as a stdio writer like llama.cpp's)
     read:  open / readinto(whole file, preallocated page-aligned buffer) / close
 
 and prints write and read throughput (GiB/s) and files/s side by side, the ratios (kvfs to
@@ -58,6 +59,7 @@ a daemon that keeps the benchmark stuck, and any phase longer than --timeout). R
 
     python tools/bench_fs.py [--sizes 256K,4M,32M] [--total 512M] [--repeat N]
                              [--stat median|best] [--configs tmpfs,fuse-null,...]
+                             [--write-size SIZE]
                              [--json | --json-out FILE] [--profile DIR [--profile-native]]
 
 With --stat best the table shows the best run and ratios are best over best. With --profile
@@ -201,18 +203,24 @@ def random_blocks(max_size: int) -> Blocks:
 
 
 # -- file I/O (the timed part) ----------------------------------------------------------------
+# Bytes per write() call (--write-size); 0: each file in one call. A stdio writer such as
+# llama.cpp's hands the kernel 4 KiB at a time.
+WRITE_PIECE = 0
+
+
 def write_files(paths: list[str], size: int, blocks: Blocks, direct: bool,
                 first: int = 0) -> float:
-    """Seconds to write paths[i] with block first+i each."""
+    """Seconds to write paths[i] with block first+i each, WRITE_PIECE bytes per write()."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
     data = [blocks.block(first + i, size) for i in range(len(paths))]
+    piece = WRITE_PIECE or size
     t0 = time.perf_counter()
     for path, mv in zip(paths, data, strict=True):
         fd = os.open(path, flags, 0o644)
         try:
             pos = 0
             while pos < size:
-                pos += os.write(fd, mv[pos:])
+                pos += os.write(fd, mv[pos:pos + piece])
         finally:
             os.close(fd)
     return time.perf_counter() - t0
@@ -1375,6 +1383,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated file sizes, multiples of 4 KiB (default %(default)s)")
     ap.add_argument("--total", type=parse_size, default=parse_size("512M"),
                     help="bytes written and read per configuration and size (default 512M)")
+    ap.add_argument("--write-size", type=parse_size, default=0, metavar="SIZE",
+                    help="write each file SIZE bytes per write() call (a multiple of 4 KiB; "
+                         "default: the whole file in one call)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds of everything, configurations interleaved (default 1)")
     ap.add_argument("--stat", choices=("median", "best"), default="median",
@@ -1414,6 +1425,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     if any(s <= 0 or s % 4096 for s in sizes):
         ap.error("sizes must be positive multiples of 4 KiB (O_DIRECT on the disk)")
+    if args.write_size < 0 or args.write_size % 4096:
+        ap.error("--write-size must be a multiple of 4 KiB (O_DIRECT on the disk)")
+    global WRITE_PIECE
+    WRITE_PIECE = args.write_size
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if bad := [c for c in configs if c not in CONFIGS]:
         ap.error(f"unknown configuration(s) {bad}; choose from {list(CONFIGS)}")
@@ -1455,7 +1470,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Python {platform.python_version()}",
         f"tmpfs: {mount_info('/dev/shm')}; disk: {args.base_dir} = {mount_info(args.base_dir)}",
         f"data: {data['kv'].source}, cycled; {fmt_size(args.total)} per configuration and "
-        f"size; reads {'verified' if args.verify else 'not verified'}",
+        f"size; reads {'verified' if args.verify else 'not verified'}; written "
+        f"{fmt_size(WRITE_PIECE) + ' per write()' if WRITE_PIECE else 'in one write() a file'}",
         "order: each round runs every configuration per size, interleaved, reversed in every "
         "other round; ratios are paired within a round",
     ]
