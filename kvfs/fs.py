@@ -65,6 +65,7 @@ MAX_FILE_SIZE = 1 << 50
 XATTR_SIZE_MAX = 65536
 BLOCK_SIZE = 4096  # st_blksize and f_bsize: what stdio and O_DIRECT users align to
 CONTROL_PREFIX = b"user.kvfs."
+FILE_CAPS = b"security.capability"
 FALLOC_FL_KEEP_SIZE = 0x01
 
 
@@ -459,7 +460,15 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EFBIG)
         grow_inode = self._grown(h.ino, end)
         await self._space_retry(lambda: self.store.write(h.ino, off, buf, grow_inode), len(buf))
+        self._drop_capabilities(h.ino)
         return len(buf)
+
+    def _drop_capabilities(self, ino: int) -> None:
+        """A write drops the file's capabilities (security.capability), as on any local
+        filesystem. The kernel does it itself before a write it makes (passthrough), not
+        before one it sends here."""
+        if self.ns.security_xattrs and self.ns.getxattr(ino, FILE_CAPS) is not None:
+            self.ns.removexattr(ino, FILE_CAPS)
 
     # -- writes copied straight into DRAM (called synchronously by kvfs._fuseshim) -----------
     # pyfuse3 copies a write's data into a bytes object before write() sees it, and write()
@@ -496,6 +505,7 @@ class Operations(pyfuse3.Operations):
                 log.error("write: copying into DRAM failed: %s", os.strerror(err))
                 return err
             self.store.finish_write(plan, self._grown(h.ino, end))
+            self._drop_capabilities(h.ino)
             return 0
         except Exception:
             log.exception("write_done failed")

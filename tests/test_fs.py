@@ -546,6 +546,41 @@ def test_a_streamed_file_unlinked_while_open_frees_its_ram(kv):
     assert f"{os.stat(kv.path).st_ino:x}" not in files
 
 
+def test_a_write_drops_file_capabilities(kv):
+    """Like a local filesystem, whether the kernel writes the file itself (a new file,
+    passthrough) or sends the write to the daemon (O_RDWR)."""
+    cap = b"\x01\x00\x00\x02" + bytes(16)
+    d = kv.path / "capw"
+    d.mkdir()
+    (d / "first").write_bytes(b"x" * 8192)  # later files of the directory are streamed
+    p = d / "f"
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, b"a" * 4096)
+        os.setxattr(p, "security.capability", cap)
+        os.write(fd, b"b" * 4096)
+        assert _err(os.getxattr, p, "security.capability") == errno.ENODATA
+    finally:
+        os.close(fd)
+    os.setxattr(p, "security.capability", cap)
+    fd = os.open(p, os.O_RDWR)
+    try:
+        os.pwrite(fd, b"c" * 10, 0)  # into a chunk the file has
+        assert _err(os.getxattr, p, "security.capability") == errno.ENODATA
+        os.setxattr(p, "security.capability", cap)
+        os.pwrite(fd, b"d" * 4096, 3 << 20)  # a fresh chunk (copied straight into DRAM)
+        assert _err(os.getxattr, p, "security.capability") == errno.ENODATA
+    finally:
+        os.close(fd)
+    data = p.read_bytes()
+    assert data[:8192] == b"c" * 10 + b"a" * 4086 + b"b" * 4096
+    assert data[3 << 20:] == b"d" * 4096
+    os.setxattr(p, "security.capability", cap)  # other xattrs and reads keep it
+    os.setxattr(p, "user.x", b"1")
+    p.read_bytes()
+    assert os.getxattr(p, "security.capability") == cap
+
+
 def test_security_capability_is_answered_truthfully(kv):
     """The shim answers getxattr("security.capability") itself (the kernel asks before the
     first passthrough write to a file) only while no file has a security.* xattr."""
