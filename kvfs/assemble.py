@@ -11,6 +11,7 @@ import signal
 import pyfuse3
 import trio
 
+from kvfs.collector import CycleCollector
 from kvfs.config import ConfigError, Settings
 from kvfs.control import Control
 from kvfs.fs import Operations
@@ -98,6 +99,8 @@ class Assembly:
             self.store.delete_file(inode.ino, inode.size)
             self.ns.forget_inode(inode)
         self.readahead.load()
+        self.collector = CycleCollector(lambda: self.ops.requests)
+        extra.append(self.collector.stats)
 
     def _size_of(self, ino: int) -> int | None:
         inode = self.ns.inodes.get(ino)
@@ -110,6 +113,7 @@ class Assembly:
         return (value.decode(errors="replace") if value else None), (up[0] if up else None)
 
     async def run(self) -> None:
+        self.collector.install()  # after loading: what the mount loaded is never scanned again
         async with trio.open_nursery() as nursery:
             self.store.spawn = nursery.start_soon  # read-ahead of read-through files
             nursery.start_soon(self.demoter.run)
@@ -117,6 +121,7 @@ class Assembly:
             nursery.start_soon(self.readahead.run)
             nursery.start_soon(self.store.run_disposals)
             nursery.start_soon(self._signals)
+            nursery.start_soon(self.collector.run)
             # Enough request tasks that a slow NVMe read never holds up a DRAM hit.
             await pyfuse3.main(min_tasks=8, max_tasks=64)
             log.info("unmounting: writing dirty chunks back to NVMe")
@@ -132,5 +137,6 @@ class Assembly:
                 return
 
     def close(self) -> None:
+        self.collector.uninstall()
         self.store.close()
         self.meta.close()

@@ -14,6 +14,7 @@ Attributes of `Operations`:
     backing   inodes in passthrough mode (ino -> [backing id, opens carrying it])
     writers   inodes the kernel writes straight into their DRAM file (ino -> writer handles)
     stream_policy  which new files may be written so (tiering.StreamingPolicy)
+    requests  FUSE requests answered by a handler so far (kvfs.collector waits for a pause)
 
 FUSE passthrough (Linux 6.9+): an open for reading of a file whose chunks are all in DRAM
 (and check out) is answered with the backing id of its DRAM file, and the kernel serves its
@@ -90,6 +91,7 @@ def _errors(fn):
 
     @functools.wraps(fn)
     async def wrapper(self, *args, **kwargs):
+        self.requests += 1
         try:
             return await fn(self, *args, **kwargs)
         except pyfuse3.FUSEError:
@@ -125,6 +127,7 @@ class Operations(pyfuse3.Operations):
         self.cache_mode = cache_mode
         self.evictor = evictor
         self.handles: dict[int, Handle] = {}
+        self.requests = 0
         self.dirs: dict[int, list[tuple[bytes, int]]] = {}
         self._fh = itertools.count(1)
         self.shim = None

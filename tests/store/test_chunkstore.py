@@ -535,6 +535,7 @@ def test_status_json_shape(kv):
         for key in ("capacity_bytes", "used_bytes", "logical_bytes", "chunks"):
             assert isinstance(st["tiers"][tier][key], int)
     assert {"chunks_from_dram", "chunks_from_nvme"} <= set(st["reads"])
+    assert st["python_gc"]["frozen_objects"] > 0  # kvfs.collector runs in the daemon
     out = os.popen(f"python -m kvfs.cli.ctl status {kv.path} --json").read()
     assert json.loads(out)["tiers"]["dram"]["chunks"] == 1
     out = os.popen(f"python -m kvfs.cli.ctl where {kv.path / 'x'} --json").read()
