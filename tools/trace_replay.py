@@ -543,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
+    if args.work_dir:
+        os.makedirs(args.work_dir, exist_ok=True)
     bs = parse_size(args.block_size)
     args.chunk_size = parse_size(args.chunk_size) if args.chunk_size else bs
     trace_requests = sum(1 for line in args.trace.open() if line.strip())
