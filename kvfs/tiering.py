@@ -19,8 +19,6 @@ from collections.abc import Callable, Iterator
 
 import trio
 
-from kvfs.store.chunkstore import WRITEBACK_BATCH
-
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int]
@@ -197,11 +195,12 @@ class Demoter:
                                                       and not self._leaving)
 
     def _take_victims(self, mark: float) -> tuple[list[tuple[Key, int]], bool]:
-        """Up to WRITEBACK_BATCH dirty victims (clean ones met on the way are dropped at
+        """A writeback batch of dirty victims (clean ones met on the way are dropped at
         once), each counted as leaving; and whether the policy ran out of victims."""
         s = self.store
         batch: list[tuple[Key, int]] = []
-        while len(batch) < WRITEBACK_BATCH and self._wanted(mark):
+        nbytes = 0
+        while not s.batch_full(len(batch), nbytes) and self._wanted(mark):
             key = s.policy.next_victim(self._inflight)
             if key is None:
                 return batch, True
@@ -210,6 +209,7 @@ class Demoter:
                 continue
             size = s.dram_pages(key)
             self._leaving += size
+            nbytes += size
             self._inflight.add(key)
             batch.append((key, size))
         return batch, False
@@ -246,11 +246,11 @@ class Demoter:
         s = self.store
         cutoff = time.monotonic() - self.writeback_age
         old = [k for k, t in s.dirty_since.items() if t < cutoff]
-        for i in range(0, len(old), WRITEBACK_BATCH):
+        for batch in s.writeback_batches(old):
             try:
-                await s.writeback_many(old[i:i + WRITEBACK_BATCH], drop=False, pack=True)
+                await s.writeback_many(batch, drop=False, pack=True)
             except Exception as exc:
-                log.warning("writeback of chunk %s failed: %s", old[i], exc)
+                log.warning("writeback of chunk %s failed: %s", batch[0], exc)
                 return
 
 

@@ -39,7 +39,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple, TypeVar
@@ -100,9 +100,13 @@ PASSTHROUGH_SHARE = 0.5
 # expected to take at most this share of the DRAM tier's free room (and of the store's).
 STREAMS_MAX = 16
 STREAM_ROOM_SHARE = 0.25
-# Chunks per writeback batch (see ChunkStore.writeback_many): 4 x 256 KiB..1 MiB chunks keep
-# a worker busy ~1-2 ms, which is about the lead a write waiting for room can afford.
+# A writeback batch (see ChunkStore.writeback_many) holds WRITEBACK_BATCH full chunks' worth
+# of DRAM bytes: 4 x 256 KiB..1 MiB keep a worker busy ~1-2 ms, about the lead a write
+# waiting for room can afford. Small chunks (small files) fill a batch up to
+# WRITEBACK_BATCH_MAX: per chunk, a batch's two worker hand-offs and its commit cost the trio
+# thread more than the chunk's own bookkeeping, and its records go to disk in one write.
 WRITEBACK_BATCH = 4
+WRITEBACK_BATCH_MAX = 32
 
 
 class Loc(NamedTuple):
@@ -604,6 +608,23 @@ class ChunkStore:
     def dram_pages(self, key: tuple[int, int]) -> int:
         loc = self.get(*key)
         return pages(slot_len(loc)) if loc is not None and loc.dram_slot >= 0 else 0
+
+    def batch_full(self, chunks: int, nbytes: int) -> bool:
+        """Is a writeback batch of *chunks* chunks holding *nbytes* of DRAM full?"""
+        return chunks >= WRITEBACK_BATCH_MAX or nbytes >= WRITEBACK_BATCH * self.cs
+
+    def writeback_batches(self, keys: list[tuple[int, int]]) -> Iterator[list[tuple[int, int]]]:
+        """*keys* cut into writeback batches, in order."""
+        batch: list[tuple[int, int]] = []
+        nbytes = 0
+        for key in keys:
+            batch.append(key)
+            nbytes += self.dram_pages(key)
+            if self.batch_full(len(batch), nbytes):
+                yield batch
+                batch, nbytes = [], 0
+        if batch:
+            yield batch
 
     def is_clean(self, key: tuple[int, int]) -> bool:
         loc = self.get(*key)
@@ -1829,11 +1850,21 @@ class ChunkStore:
                 job.codec_id = codec_id
 
     def _write_jobs(self, jobs: list[_Job]) -> None:
-        """Worker thread: write each job's record where it was reserved."""
+        """Worker thread: write each job's record where it was reserved; records reserved
+        one after another in a segment go in one write."""
+        run: list[_Job] = []
         for job in jobs:
-            header = RecordHeader(job.used, job.stream, job.ino, job.c, job.loc.seq,
-                                  job.loc.raw_len, len(job.payload), job.csum)
-            self.nvme.write_record(job.seg, job.off, header, job.payload)
+            if run and (job.seg is not run[-1].seg or job.off != run[-1].off + run[-1].rec_len):
+                self._write_run(run)
+                run = []
+            run.append(job)
+        if run:
+            self._write_run(run)
+
+    def _write_run(self, run: list[_Job]) -> None:
+        self.nvme.write_records(run[0].seg, run[0].off, [
+            (RecordHeader(job.used, job.stream, job.ino, job.c, job.loc.seq, job.loc.raw_len,
+                          len(job.payload), job.csum), job.payload) for job in run])
 
     async def _reserve(self, stream: int, rec_len: int):
         """Space for one record; cleans segments if none is free."""
@@ -1918,9 +1949,9 @@ class ChunkStore:
         keys = list(self.dirty_since)
         async with trio.open_nursery() as nursery:
             limiter = trio.Semaphore(2)
-            for i in range(0, len(keys), WRITEBACK_BATCH):
+            for batch in self.writeback_batches(keys):
                 await limiter.acquire()
-                nursery.start_soon(self._writeback_release, keys[i:i + WRITEBACK_BATCH], limiter)
+                nursery.start_soon(self._writeback_release, batch, limiter)
         await self.sync()
 
     async def _writeback_release(self, keys, limiter) -> None:

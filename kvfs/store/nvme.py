@@ -17,6 +17,7 @@ Segment: a 4 KiB header block (magic 'KVSG', version, segment id, stream, fs uui
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -270,18 +271,29 @@ class NvmeLog:
     def write_record(self, seg: Segment, off: int, header: RecordHeader,
                      payload: bytes | memoryview) -> int:
         """Write one record at *off*; returns its length on disk."""
-        rec_len = record_length(len(payload))
-        buf = self.buffers.get(rec_len)
+        return self.write_records(seg, off, [(header, payload)])
+
+    def write_records(self, seg: Segment, off: int,
+                      records: list[tuple[RecordHeader, bytes | memoryview]]) -> int:
+        """Write records that follow each other from *off* on, in one write; returns their
+        length on disk."""
+        total = sum(record_length(len(payload)) for _, payload in records)
+        buf = self.buffers.get(total)
         try:
-            buf[:HEADER_SIZE] = pack_header(header)
-            buf[HEADER_SIZE:HEADER_SIZE + len(payload)] = payload
-            tail = HEADER_SIZE + len(payload)
-            buf[tail:rec_len] = bytes(rec_len - tail)
-            os.pwrite(seg.fd, memoryview(buf)[:rec_len], off)
+            pos = 0
+            for header, payload in records:
+                end = pos + record_length(len(payload))
+                tail = pos + HEADER_SIZE + len(payload)
+                buf[pos:pos + HEADER_SIZE] = pack_header(header)
+                buf[pos + HEADER_SIZE:tail] = payload
+                buf[tail:end] = bytes(end - tail)
+                pos = end
+            if os.pwrite(seg.fd, memoryview(buf)[:total], off) != total:
+                raise OSError(errno.EIO, f"short write to segment {seg.seg_id} at {off}")
         finally:
             self.buffers.put(buf)
         seg.unsynced = True
-        return rec_len
+        return total
 
     def pin(self, seg_id: int) -> Segment:
         """Keep a segment's fd open across a read in a worker thread (trio thread)."""

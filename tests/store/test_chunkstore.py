@@ -282,6 +282,24 @@ def test_writes_racing_batched_demotion_keep_the_newest_bytes(kv):
     _check(kv, {**many, **flood, "wide": wide})
 
 
+def test_small_files_go_to_nvme_many_records_a_write(kv):
+    """Small chunks are written back up to WRITEBACK_BATCH_MAX a batch, their records one
+    after another in one write: each must read back whole, at unmount and after demotion."""
+    small = {f"s{i}": os.urandom(97 + 37 * i) for i in range(300)}
+    for name, data in small.items():
+        (kv.path / name).write_bytes(data)
+    kv.unmount()  # writes all of them back
+    kv.lose_dram()
+    kv.start()
+    _check(kv, small)
+    more = {f"t{i}": os.urandom(5000 + i) for i in range(200)}
+    for name, data in more.items():
+        (kv.path / name).write_bytes(data)
+    flood = _fill(kv, "flood", 96, CHUNK)  # 6 MiB through 4 MiB: demotes small files in batches
+    assert sum("nvme" in c["tiers"] for n in more for c in kv.where(n)) > 0
+    _check(kv, {**small, **more, **flood})
+
+
 def test_sigkill_keeps_unsynced_data(kv):
     files = _fill(kv, "f", 20, 150_000)
     fd = os.open(kv.path / "open-while-killed", os.O_CREAT | os.O_WRONLY)
