@@ -30,7 +30,7 @@ class NamespaceError(Exception):
         self.errno = err
 
 
-@dataclass
+@dataclass(slots=True)
 class Inode:
     ino: int
     mode: int
@@ -84,8 +84,10 @@ class Namespace:
         self.dirs: dict[int, dict[bytes, int]] = {}
         self.parent: dict[int, int] = {}  # directory -> its parent, for '..' and rename checks
         self.symlinks: dict[int, bytes] = {}
-        # file -> its names, so cache-mode eviction can remove a file without a tree walk
-        self._names: dict[int, set[tuple[int, bytes]]] = {}
+        # file -> its name (parent, name), a set of them for a file with hard links: so that
+        # cache-mode eviction can remove a file without a tree walk. (A set per file would
+        # cost ~200 bytes each, a tenth of what kvfs keeps per file.)
+        self._names: dict[int, tuple[int, bytes] | set[tuple[int, bytes]]] = {}
         # The policy hints every writeback reads (HINT_XATTRS), also kept here: an lmdb read
         # transaction on the trio thread costs more than a dict walk and lets go of the GIL.
         self._hints: dict[bytes, dict[int, bytes]] = {n: {} for n in HINT_XATTRS}
@@ -104,7 +106,7 @@ class Namespace:
         for k, v in self.meta.scan("dirents"):
             parent, name, child = from_u64(k[:8]), k[8:], from_u64(v)
             self.dirs.setdefault(parent, {})[name] = child
-            self._names.setdefault(child, set()).add((parent, name))
+            self._add_name(child, parent, name)
             if child in self.inodes and self.inodes[child].is_dir:
                 self.parent[child] = parent
         for k, v in self.meta.scan("symlinks"):
@@ -160,7 +162,30 @@ class Namespace:
         return d.get(name)
 
     def names_of(self, ino: int) -> set[tuple[int, bytes]]:
-        return self._names.get(ino, set())
+        names = self._names.get(ino)
+        if names is None:
+            return set()
+        return set(names) if isinstance(names, set) else {names}
+
+    def _add_name(self, ino: int, parent: int, name: bytes) -> None:
+        entry = (parent, name)
+        have = self._names.get(ino)
+        if have is None:
+            self._names[ino] = entry
+        elif isinstance(have, set):
+            have.add(entry)
+        elif have != entry:
+            self._names[ino] = {have, entry}
+
+    def _drop_name(self, ino: int, parent: int, name: bytes) -> None:
+        entry = (parent, name)
+        have = self._names.get(ino)
+        if have == entry:
+            del self._names[ino]
+        elif isinstance(have, set):
+            have.discard(entry)
+            if len(have) == 1:
+                self._names[ino] = have.pop()
 
     def ancestors(self, ino: int) -> tuple[int, ...]:
         """The directory holding *ino* (its first name, for hard links) and that directory's
@@ -234,7 +259,7 @@ class Namespace:
             self._touch_dir(txn, parent, now)
         self.inodes[ino] = inode
         d[name] = ino
-        self._names.setdefault(ino, set()).add((parent, name))
+        self._add_name(ino, parent, name)
         if is_dir:
             self.dirs[ino] = {}
             self.parent[ino] = parent
@@ -258,7 +283,7 @@ class Namespace:
             txn.put(u64(parent) + name, u64(ino), db=self.meta.db["dirents"])
             self._touch_dir(txn, parent, now)
         d[name] = ino
-        self._names.setdefault(ino, set()).add((parent, name))
+        self._add_name(ino, parent, name)
         return inode
 
     def remove(self, parent: int, name: bytes, *, want_dir: bool) -> Inode:
@@ -278,7 +303,7 @@ class Namespace:
         with self.meta.write() as txn:
             txn.delete(u64(parent) + name, db=self.meta.db["dirents"])
             del d[name]
-            self._names.get(ino, set()).discard((parent, name))
+            self._drop_name(ino, parent, name)
             self._unref(txn, inode, parent, now)
             self._touch_dir(txn, parent, now)
         return inode
@@ -323,10 +348,10 @@ class Namespace:
                 txn.put(u64(old_parent) + old_name, u64(target_ino), db=self.meta.db["dirents"])
                 txn.put(u64(new_parent) + new_name, u64(ino), db=self.meta.db["dirents"])
                 src_dir[old_name], dst_dir[new_name] = target_ino, ino
-                self._names[ino].discard((old_parent, old_name))
-                self._names[ino].add((new_parent, new_name))
-                self._names[target_ino].discard((new_parent, new_name))
-                self._names[target_ino].add((old_parent, old_name))
+                self._drop_name(ino, old_parent, old_name)
+                self._add_name(ino, new_parent, new_name)
+                self._drop_name(target_ino, new_parent, new_name)
+                self._add_name(target_ino, old_parent, old_name)
                 for moved, where in ((inode, new_parent), (target, old_parent)):
                     if moved.is_dir and old_parent != new_parent:
                         self.inodes[self.parent[moved.ino]].nlink -= 1
@@ -347,13 +372,13 @@ class Namespace:
         with self.meta.write() as txn:
             txn.delete(u64(old_parent) + old_name, db=self.meta.db["dirents"])
             del src_dir[old_name]
-            self._names[ino].discard((old_parent, old_name))
+            self._drop_name(ino, old_parent, old_name)
             if target is not None:
-                self._names[target_ino].discard((new_parent, new_name))
+                self._drop_name(target_ino, new_parent, new_name)
                 self._unref(txn, target, new_parent, now)
             txn.put(u64(new_parent) + new_name, u64(ino), db=self.meta.db["dirents"])
             dst_dir[new_name] = ino
-            self._names[ino].add((new_parent, new_name))
+            self._add_name(ino, new_parent, new_name)
             if inode.is_dir and old_parent != new_parent:
                 self.inodes[old_parent].nlink -= 1
                 self.inodes[new_parent].nlink += 1

@@ -78,14 +78,19 @@ class CallerStreams:
 
 
 class SuccessorGraph:
-    """Bounded map file -> recent successors (most recent last) with edge kinds and counts."""
+    """Bounded map file -> recent successors (most recent last) with edge kinds and counts.
+
+    Kept compact, since it holds up to 2^20 files: a file's successors are a list of
+    [successor, kind, count] (at most *fanout*, most recent last) and its predecessors one
+    file, or a set of them when it has several. With a dict and a set per file the graph was
+    ~830 bytes a file, the largest thing kvfs kept per file."""
 
     def __init__(self, *, max_nodes: int = 1 << 20, fanout: int = 4) -> None:
         self.max_nodes = max_nodes
         self.fanout = fanout
-        # ino -> OrderedDict(successor -> [kind, count]); the node dict is LRU by last link.
-        self.succ: OrderedDict[int, OrderedDict[int, list]] = OrderedDict()
-        self.pred: dict[int, set[int]] = {}
+        # ino -> [[successor, kind, count], ...]; LRU by last link.
+        self.succ: OrderedDict[int, list[list]] = OrderedDict()
+        self.pred: dict[int, int | set[int]] = {}
         self.links = {KIND_WRITE: 0, KIND_READ: 0}
         # Files whose most recent successor changed since the last save (None: it has none).
         self.dirty: dict[int, tuple[int, str] | None] = {}
@@ -96,6 +101,16 @@ class SuccessorGraph:
     def edges(self) -> int:
         return sum(len(s) for s in self.succ.values())
 
+    def successors(self, a: int) -> list[int]:
+        """Oldest first."""
+        return [edge[0] for edge in self.succ.get(a, ())]
+
+    def predecessors(self, b: int) -> set[int]:
+        p = self.pred.get(b)
+        if p is None:
+            return set()
+        return set(p) if isinstance(p, set) else {p}
+
     def link(self, a: int, b: int, kind: str) -> None:
         """b followed a. A read edge overrides a write edge; the newest edge is followed."""
         if a == b:
@@ -103,41 +118,52 @@ class SuccessorGraph:
         self.links[kind] += 1
         out = self.succ.get(a)
         if out is None:
-            out = self.succ[a] = OrderedDict()
+            out = self.succ[a] = []
         else:
             self.succ.move_to_end(a)
-        edge = out.get(b)
-        if edge is None:
-            out[b] = [kind, 1]
-            self.pred.setdefault(b, set()).add(a)
+        for i, edge in enumerate(out):
+            if edge[0] == b:
+                del out[i]
+                if kind == KIND_READ:
+                    edge[1] = KIND_READ
+                edge[2] += 1
+                out.append(edge)
+                break
         else:
-            if kind == KIND_READ:
-                edge[0] = KIND_READ
-            edge[1] += 1
-            out.move_to_end(b)
+            out.append([b, kind, 1])
+            self._add_pred(b, a)
         while len(out) > self.fanout:
-            old, _ = out.popitem(last=False)
-            self._unpred(old, a)
-        self.dirty[a] = (b, out[b][0])
+            self._unpred(out.pop(0)[0], a)
+        self.dirty[a] = (b, out[-1][1])
         while len(self.succ) > self.max_nodes:
             node, gone = self.succ.popitem(last=False)
             self.dirty[node] = None
-            for s in gone:
-                self._unpred(s, node)
+            for edge in gone:
+                self._unpred(edge[0], node)
+
+    def _add_pred(self, b: int, a: int) -> None:
+        p = self.pred.get(b)
+        if p is None:
+            self.pred[b] = a
+        elif isinstance(p, set):
+            p.add(a)
+        elif p != a:
+            self.pred[b] = {p, a}
 
     def _unpred(self, b: int, a: int) -> None:
         p = self.pred.get(b)
-        if p is not None:
+        if isinstance(p, set):
             p.discard(a)
-            if not p:
-                del self.pred[b]
+            if len(p) == 1:
+                self.pred[b] = p.pop()
+        elif p == a:
+            del self.pred[b]
 
     def next(self, a: int) -> tuple[int, str] | None:
         out = self.succ.get(a)
         if not out:
             return None
-        b = next(reversed(out))
-        return b, out[b][0]
+        return out[-1][0], out[-1][1]
 
     def chain(self, a: int, limit: int) -> Iterator[tuple[int, str]]:
         """Up to *limit* files predicted to follow *a*, in order, each with the kind of the
@@ -155,13 +181,14 @@ class SuccessorGraph:
         """A file is gone: drop it and every edge to or from it."""
         if self.succ.get(ino) or ino in self.dirty:
             self.dirty[ino] = None
-        for b in self.succ.pop(ino, {}):
-            self._unpred(b, ino)
-        for a in self.pred.pop(ino, set()):
+        for edge in self.succ.pop(ino, ()):
+            self._unpred(edge[0], ino)
+        for a in self.predecessors(ino):
             out = self.succ.get(a)
             if out is not None:
-                out.pop(ino, None)
+                out[:] = [edge for edge in out if edge[0] != ino]
                 self.dirty[a] = self.next(a)
+        self.pred.pop(ino, None)
 
     def take_dirty(self) -> dict[int, tuple[int, str] | None]:
         """What changed since the last call: file -> its most recent successor, or None."""

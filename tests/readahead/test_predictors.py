@@ -150,12 +150,31 @@ def test_graph_bounds_fanout_and_nodes():
     g = SuccessorGraph(max_nodes=5, fanout=2)
     for b in range(10, 20):
         g.link(1, b, KIND_READ)
-    assert list(g.succ[1]) == [18, 19]
-    assert 10 not in g.pred
+    assert g.successors(1) == [18, 19]
+    assert not g.predecessors(10)
     for a in range(100, 120):
         g.link(a, a + 1000, KIND_WRITE)
     assert len(g) == 5
-    assert sum(len(p) for p in g.pred.values()) == g.edges()
+    assert sum(len(g.predecessors(b)) for b in list(g.pred)) == g.edges()
+
+
+def test_graph_shared_successor_and_relinking():
+    g = SuccessorGraph(fanout=2)
+    g.link(1, 9, KIND_WRITE)
+    g.link(2, 9, KIND_WRITE)
+    g.link(3, 9, KIND_WRITE)
+    assert g.predecessors(9) == {1, 2, 3}
+    g.link(1, 5, KIND_WRITE)
+    g.link(1, 9, KIND_READ)  # again: most recent, now a read edge
+    assert g.successors(1) == [5, 9] and g.next(1) == (9, KIND_READ)
+    g.link(1, 6, KIND_WRITE)  # fanout 2: 5 goes
+    assert g.successors(1) == [9, 6] and not g.predecessors(5)
+    g.forget(2)
+    g.forget(3)
+    assert g.predecessors(9) == {1}
+    g.forget(9)
+    assert g.successors(1) == [6] and g.next(1) == (6, KIND_WRITE)
+    assert sum(len(g.predecessors(b)) for b in list(g.pred)) == g.edges()
 
 
 def test_graph_forget_removes_edges_both_ways():
@@ -164,7 +183,7 @@ def test_graph_forget_removes_edges_both_ways():
     g.link(2, 3, KIND_READ)
     g.forget(2)
     assert g.next(1) is None
-    assert 2 not in g.succ and 2 not in g.pred and 3 not in g.pred
+    assert not g.successors(2) and not g.predecessors(2) and not g.predecessors(3)
 
 
 def test_predict_whole_file_then_chain():
