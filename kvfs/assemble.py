@@ -122,8 +122,10 @@ class Assembly:
             nursery.start_soon(self.store.run_disposals)
             nursery.start_soon(self._signals)
             nursery.start_soon(self.collector.run)
+            nursery.start_soon(self.ops.run_takes)
             # Enough request tasks that a slow NVMe read never holds up a DRAM hit.
             await pyfuse3.main(min_tasks=8, max_tasks=64)
+            await self.ops.finish_takes()
             log.info("unmounting: writing dirty chunks back to NVMe")
             await self.store.writeback_all()
             self.readahead.save()

@@ -30,8 +30,9 @@ nothing else open and room to spare, is written by the kernel straight into its 
 (`ChunkStore.start_stream`). kvfs sees none of those writes; until the last writer closes,
 every open of the file reads and writes the DRAM file too (O_DIRECT ones included, so their
 alignment is not checked), its size is the DRAM file's, and an fsync takes what is there as
-the file's chunks and makes them durable. At the last writer's close the store takes the
-DRAM file's contents as the file (`take_stream`).
+the file's chunks and makes them durable. After the last writer's close the store takes
+the DRAM file's contents as the file (`take_stream`), as soon as no request waits
+(`run_takes`); until then the file is still one the kernel writes.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from dataclasses import dataclass, field
 
 import pyfuse3
 import trio
+import trio.testing
 
 from kvfs.namespace import Inode, Namespace, NamespaceError
 from kvfs.store.chunkstore import ChunkError, ChunkStore, NoSpace
@@ -68,6 +70,10 @@ BLOCK_SIZE = 4096  # st_blksize and f_bsize: what stdio and O_DIRECT users align
 CONTROL_PREFIX = b"user.kvfs."
 FILE_CAPS = b"security.capability"
 FALLOC_FL_KEEP_SIZE = 0x01
+# A file the kernel wrote is taken (hashed, recorded) after its last close, when no request
+# is waiting (see Operations.run_takes); at most TAKE_BACKLOG files wait, none over TAKE_WAIT_S.
+TAKE_BACKLOG = 4
+TAKE_WAIT_S = 0.02
 
 
 @dataclass
@@ -134,6 +140,8 @@ class Operations(pyfuse3.Operations):
         self.backing: dict[int, list[int]] = {}
         self.writers: dict[int, int] = {}
         self._finishing: dict[int, trio.Event] = {}
+        self._pending_takes: dict[int, None] = {}
+        self._take_wakeup = trio.Event()
         self.stream_policy = StreamingPolicy()
 
     # -- helpers ---------------------------------------------------------------------------
@@ -177,7 +185,7 @@ class Operations(pyfuse3.Operations):
     def _maybe_free(self, inode: Inode) -> None:
         """Release an inode's data once nothing names or holds it, and the inode itself once
         the kernel has forgotten it too."""
-        if inode.nlink > 0 or inode.opens > 0:
+        if inode.nlink > 0 or inode.opens > 0 or inode.ino in self._pending_takes:
             return
         if inode.is_reg:
             self.readahead.forgotten(inode.ino)
@@ -225,6 +233,8 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def setattr(self, inode, attr, fields, fh, ctx):
+        if inode in self._pending_takes:
+            await self._take_now(inode)
         node = self._current(self.ns.get(inode))
         now = time.time_ns()
         if fields.update_size:
@@ -396,6 +406,8 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def open(self, inode, flags, ctx):
+        if inode in self._pending_takes:
+            await self._take_now(inode)
         while (finishing := self._finishing.get(inode)) is not None:
             await finishing.wait()
         node = self._current(self.ns.get(inode))
@@ -527,18 +539,19 @@ class Operations(pyfuse3.Operations):
         if h.streams:
             self.writers[h.ino] -= 1
             if not self.writers[h.ino]:
-                await self._end_writing(h.ino, node)
+                self._pending_takes[h.ino] = None  # taken by run_takes
+                self._take_wakeup.set()
         if node is None:
             return
         if h.flags & os.O_ACCMODE != os.O_RDONLY and node.nlink > 0:
             parent = self._parent(h.ino)
             if parent is not None:  # the size files written in that directory reach
-                self.stream_policy.closed(parent, node.size)
+                self.stream_policy.closed(parent, self._current(node).size)
         node.opens -= 1
         if not node.opens:
             self.store.end_read_through(h.ino)
         self.readahead.closed(h.ino, h.pid)
-        if node.nlink > 0:
+        if node.nlink > 0 and h.ino not in self._pending_takes:  # (a take seals)
             await self.store.seal(h.ino, node.size)
         self._maybe_free(node)
 
@@ -552,8 +565,9 @@ class Operations(pyfuse3.Operations):
         return sized
 
     async def _end_writing(self, ino: int, node: Inode | None) -> None:
-        """The last writer of a file the kernel wrote into its DRAM file closed: the store
-        takes its bytes. Opens of it meanwhile wait (`_finishing`): the bytes must be still."""
+        """The last writer of a file the kernel wrote into its DRAM file closed (and
+        `run_takes` got to it): the store takes its bytes. Opens of it meanwhile wait
+        (`_finishing`): the bytes must be still."""
         done = self._finishing[ino] = trio.Event()
         try:
             if node is not None and node.nlink > 0:
@@ -564,6 +578,42 @@ class Operations(pyfuse3.Operations):
             del self.writers[ino]
             del self._finishing[ino]
             done.set()
+
+    async def run_takes(self) -> None:
+        """Take the files whose last writer closed, each when no FUSE request is waiting
+        (trio has nothing else to run and nothing to read: `wait_all_tasks_blocked`). An
+        engine writing block after block closes one and creates the next at once; taken in
+        its RELEASE, a file's take (a hash of its bytes and a commit) held up the next
+        file's requests, and taken now it overlaps the engine's write() of the next file,
+        which the kernel does without us. 256 KiB files: +5% files/s (interleaved runs)."""
+        while True:
+            await self._take_wakeup.wait()
+            self._take_wakeup = trio.Event()
+            while self._pending_takes:
+                if len(self._pending_takes) < TAKE_BACKLOG:
+                    with trio.move_on_after(TAKE_WAIT_S):
+                        await trio.testing.wait_all_tasks_blocked()
+                if self._pending_takes:
+                    await self._take_now(next(iter(self._pending_takes)))
+
+    async def finish_takes(self) -> None:
+        """Take every file still waiting (unmount)."""
+        while self._pending_takes:
+            await self._take_now(next(iter(self._pending_takes)))
+
+    async def _take_now(self, ino: int) -> None:
+        """Take *ino* now if it waits to be (an open or a truncation of it needs it taken).
+        Until then it is still one the kernel writes: its size comes from its DRAM file
+        (`_current`) and it is not freed (`_maybe_free`)."""
+        if ino not in self._pending_takes:
+            return
+        del self._pending_takes[ino]
+        node = self.ns.inodes.get(ino)
+        try:
+            await self._end_writing(ino, node)
+        finally:
+            if node is not None:
+                self._maybe_free(node)
 
     @_errors
     async def fsync(self, fh, datasync):
@@ -634,6 +684,7 @@ class Operations(pyfuse3.Operations):
     @_errors
     async def getxattr(self, inode, name, ctx):
         if self.control.handles(name):
+            await self.finish_takes()  # `where` and `status` count closed files as taken
             return self.control.get(inode, name[len(CONTROL_PREFIX):])
         self.ns.get(inode)
         value = self.ns.getxattr(inode, name)

@@ -453,6 +453,43 @@ def _teach(m, directory, size: int) -> None:
     (directory / "first").write_bytes(os.urandom(size))
 
 
+def test_what_follows_a_close_sees_the_file_before_and_after_its_take(kv):
+    """A streamed file is taken after its last close, when the daemon has nothing else to
+    do (Operations.run_takes): stat, open, truncate, rename over it and unlink right after
+    the close must all see the file as written."""
+    d = kv.path / "blocks"
+    d.mkdir()
+    _teach(kv, d, 100_000)
+    files = {}
+    for i in range(40):
+        data = os.urandom(100_000 + i)
+        with open(d / f"b{i}", "wb") as f:
+            f.write(data)
+        files[f"b{i}"] = data
+        assert os.stat(d / f"b{i}").st_size == len(data)
+        if i % 5 == 1:
+            assert (d / f"b{i}").read_bytes() == data
+        elif i % 5 == 2:
+            os.truncate(d / f"b{i}", 1000)
+            files[f"b{i}"] = data[:1000]
+        elif i % 5 == 3:
+            os.replace(d / f"b{i - 1}", d / f"b{i}")
+            files[f"b{i}"] = files.pop(f"b{i - 1}")
+        elif i % 5 == 4:
+            os.unlink(d / f"b{i}")
+            del files[f"b{i}"]
+    assert _stream_opens(kv) >= 30
+    for name, data in files.items():
+        assert (d / name).read_bytes() == data, name
+    (d / "last").write_bytes(b"x" * 5000)  # its take may still wait: unmount takes it
+    files["last"] = b"x" * 5000
+    kv.unmount()
+    kv.start()
+    for name, data in files.items():
+        assert (d / name).read_bytes() == data, name
+    assert sorted(os.listdir(d)) == sorted([*files, "first"])
+
+
 def test_new_files_are_written_straight_into_dram(kv):
     d = kv.path / "blocks"
     d.mkdir()
