@@ -594,12 +594,21 @@ class Operations(pyfuse3.Operations):
                     with trio.move_on_after(TAKE_WAIT_S):
                         await trio.testing.wait_all_tasks_blocked()
                 if self._pending_takes:
-                    await self._take_now(next(iter(self._pending_takes)))
+                    await self._take_logged(next(iter(self._pending_takes)))
 
     async def finish_takes(self) -> None:
-        """Take every file still waiting (unmount)."""
+        """Take every file still waiting (unmount, kvfsctl queries)."""
         while self._pending_takes:
-            await self._take_now(next(iter(self._pending_takes)))
+            await self._take_logged(next(iter(self._pending_takes)))
+
+    async def _take_logged(self, ino: int) -> None:
+        """`_take_now` outside any request: a failure is logged, never let out (it would
+        end the daemon); as when a take in a RELEASE failed, the file keeps what was
+        recorded before."""
+        try:
+            await self._take_now(ino)
+        except Exception:
+            log.exception("taking inode %d after its last close failed", ino)
 
     async def _take_now(self, ino: int) -> None:
         """Take *ino* now if it waits to be (an open or a truncation of it needs it taken).
