@@ -332,7 +332,7 @@ class ChunkStore:
         lost_dram = not self.dram.survived
         fixes: list[tuple[int, int, Loc | None]] = []
         missing: set[int] = set()
-        absent: dict[int, bool] = {}  # ino -> its DRAM file is missing
+        present = self.dram.present() if not lost_dram else set()  # inodes with a DRAM file
         owned: dict[int, list[tuple[int, int]]] = {}
         # Files the kernel was writing into their DRAM file when the daemon stopped: what
         # the DRAM file holds is newer than anything recorded (`_restream`).
@@ -349,10 +349,9 @@ class ChunkStore:
             if arena is not None and loc.dram_slot >= 0:
                 loc = self._migrate_chunk(arena, ino, c, loc)
                 fixes.append((ino, c, loc))
+                present.add(ino)  # (its DRAM file was just made)
             if loc.dram_slot >= 0 and not lost_dram:
-                if ino not in absent:
-                    absent[ino] = self.dram.missing(ino)
-                if absent[ino]:
+                if ino not in present:
                     log.error("inode %d chunk %d: its DRAM file is missing", ino, c)
                     loc = nvme_only(loc) if loc.seg else loc._replace(dram_slot=-1, flags=LOST)
                     fixes.append((ino, c, loc))
@@ -444,6 +443,8 @@ class ChunkStore:
         holds, as `take_stream` would have at its close: dirty chunks, sealed below with the
         other unsealed ones. Its size goes to the namespace through `recovered_sizes`."""
         if self.dram.missing(ino):
+            log.error("inode %d was being written when the daemon stopped and its DRAM file "
+                      "is gone: what was written to it since its last fsync is lost", ino)
             return
         size = self.dram.size(ino)
         self.recovered_sizes[ino] = size

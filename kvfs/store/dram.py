@@ -244,6 +244,17 @@ class DramFiles:
         """True if the DRAM file of *ino* does not exist (checked at mount)."""
         return not os.path.exists(self.path(ino))
 
+    def present(self) -> set[int]:
+        """The inodes that have a DRAM file (one directory listing: at mount, a stat per
+        file was 0.4 s per 100,000 files)."""
+        out = set()
+        for name in os.listdir(self.files_dir):
+            try:
+                out.add(int(name, 16))
+            except ValueError:
+                pass
+        return out
+
     def close(self) -> None:
         """Close every descriptor and finish the queued disposals (unmount)."""
         self.dispose_many(self.take_disposals())

@@ -282,6 +282,26 @@ def test_writes_racing_batched_demotion_keep_the_newest_bytes(kv):
     _check(kv, {**many, **flood, "wide": wide})
 
 
+def test_a_dram_file_missing_at_mount_costs_only_its_own_chunks(kv):
+    """One inode's DRAM file gone while the rest of the tier survived: its synced chunk is
+    read from NVMe, the unsynced file answers EIO, every other file is intact."""
+    synced, lost = os.urandom(30_000), os.urandom(20_000)
+    _write_durably(kv.path / "synced", synced)
+    (kv.path / "lost").write_bytes(lost)
+    others = _fill(kv, "o", 5, 10_000)
+    inos = {n: os.stat(kv.path / n).st_ino for n in ("synced", "lost")}
+    kv.status()  # every closed file taken (a file killed before its take is restreamed)
+    kv.kill()  # (a clean unmount would write "lost" back to NVMe)
+    for ino in inos.values():
+        (kv.dram_dir / "files" / f"{ino:x}").unlink()
+    kv.start()
+    assert (kv.path / "synced").read_bytes() == synced
+    with pytest.raises(OSError) as e:
+        (kv.path / "lost").read_bytes()
+    assert e.value.errno == errno.EIO
+    _check(kv, others)
+
+
 def test_small_files_go_to_nvme_many_records_a_write(kv):
     """Small chunks are written back up to WRITEBACK_BATCH_MAX a batch, their records one
     after another in one write: each must read back whole, at unmount and after demotion."""
