@@ -218,11 +218,7 @@ class DramFiles:
         self.claims = {ino: len(regions) for ino, regions in owned.items()}
         self.claim_ids = {(ino, c): next(self._claim_seq)
                           for ino, regions in owned.items() for c, _ in regions}
-        for name in os.listdir(self.files_dir):
-            try:
-                ino = int(name, 16)
-            except ValueError:
-                ino = -1
+        for name, ino in self._listing():
             if ino not in owned:
                 os.unlink(os.path.join(self.files_dir, name))
                 continue
@@ -247,12 +243,17 @@ class DramFiles:
     def present(self) -> set[int]:
         """The inodes that have a DRAM file (one directory listing: at mount, a stat per
         file was 0.4 s per 100,000 files)."""
-        out = set()
+        return {ino for _, ino in self._listing() if ino >= 0}
+
+    def _listing(self) -> list[tuple[str, int]]:
+        """(name, inode) of every file in the DRAM directory; -1 for a name that is not
+        an inode number (nobody's)."""
+        out = []
         for name in os.listdir(self.files_dir):
             try:
-                out.add(int(name, 16))
+                out.append((name, int(name, 16)))
             except ValueError:
-                pass
+                out.append((name, -1))
         return out
 
     def close(self) -> None:
