@@ -338,8 +338,8 @@ class Operations(pyfuse3.Operations):
             if writer:
                 self.writers[ino] += 1
             return self.backing[ino][0], False, writer
-        if self._streams(node, flags, self._parent(ino)):
-            return self._start_writing(ino)
+        if (expected := self._stream_size(node, flags, self._parent(ino))) is not None:
+            return self._start_writing(ino, expected)
         reader = not writer and not flags & os.O_DIRECT
         # a reader of a file on NVMe: bring it into DRAM first, the kernel reads it from there
         staged = await self.store.stage_file(ino, node.size) if reader else -1
@@ -359,20 +359,21 @@ class Operations(pyfuse3.Operations):
         b[1] += 1
         return b[0], not ready, False
 
-    def _streams(self, node: Inode, flags: int, parent: int | None) -> bool:
+    def _stream_size(self, node: Inode, flags: int, parent: int | None) -> int | None:
         """Should the kernel write this open's bytes straight into the DRAM file? Only for a
         write-only open (O_RDWR files are worked on, and must stay movable while open; not
         O_DIRECT) of a file with nothing in it and nothing else open, in a directory whose
-        files have been small enough to fit (tiering.StreamingPolicy)."""
+        files have been small enough to fit (tiering.StreamingPolicy). Returns the size the
+        file is expected to reach if so, else None."""
         if (self.shim is None or flags & os.O_ACCMODE != os.O_WRONLY or flags & os.O_DIRECT
                 or node.size or node.opens or node.ino in self.backing or parent is None):
-            return False
+            return None
         expected = self.stream_policy.expected(parent)
-        return expected is not None and self.store.can_stream(expected)
+        return expected if expected is not None and self.store.can_stream(expected) else None
 
-    def _start_writing(self, ino: int) -> tuple[int, bool, bool] | None:
+    def _start_writing(self, ino: int, expected: int) -> tuple[int, bool, bool] | None:
         """The first writer of a file the kernel writes straight into its DRAM file."""
-        backing_id = self._backing_open(self.store.start_stream(ino))
+        backing_id = self._backing_open(self.store.start_stream(ino, expected))
         if backing_id is None:
             self.store.end_stream(ino)
             return None
@@ -433,10 +434,10 @@ class Operations(pyfuse3.Operations):
     @_errors
     async def create(self, parent_inode, name, mode, flags, ctx):
         mode = stat.S_IFREG | (mode & ~ctx.umask & 0o7777)
-        if self._streams(Inode(0, mode), flags, parent_inode):
+        if (expected := self._stream_size(Inode(0, mode), flags, parent_inode)) is not None:
             with self.store.meta.write():  # one commit: the inode and its writer's record
                 node = self.ns.create(parent_inode, name, mode, ctx.uid, ctx.gid)
-                pt = self._start_writing(node.ino)
+                pt = self._start_writing(node.ino, expected)
         else:
             node = self.ns.create(parent_inode, name, mode, ctx.uid, ctx.gid)
             pt = await self._passthrough_mode(node, flags)

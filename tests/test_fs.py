@@ -631,3 +631,54 @@ def test_security_capability_is_answered_truthfully(kv):
     kv.unmount()
     kv.start()
     assert os.getxattr(p, "security.capability") == value
+
+
+def _ram_of(directory) -> int:
+    out = 0
+    for root, _, names in os.walk(directory):
+        for n in names:
+            try:
+                out += os.lstat(os.path.join(root, n)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return out
+
+
+def test_files_the_kernel_writes_at_once_stay_within_the_dram_tier(kv):
+    """kvfs sees the bytes of a streamed file only when it is taken, after its close: the
+    room each one is expected to take counts as used until then, or many writers at once
+    (or a backlog of files waiting for their take) would fill tmpfs past the tier's size.
+    Watched from the tmpfs itself, not through the mount."""
+    d = kv.path / "burst"
+    d.mkdir()
+    _teach(kv, d, 512 << 10)
+    opens = _stream_opens(kv)
+    files = {f"b{i}": os.urandom(512 << 10) for i in range(12)}  # 6 MiB open at once
+    fds = {n: os.open(d / n, os.O_CREAT | os.O_WRONLY, 0o644) for n in files}
+    peak = 0
+    stop = threading.Event()
+
+    def watch():
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, _ram_of(kv.dram_dir))
+
+    def write(name):
+        os.write(fds[name], files[name])
+        os.close(fds[name])
+
+    watcher = threading.Thread(target=watch)
+    writers = [threading.Thread(target=write, args=(n,)) for n in files]
+    watcher.start()
+    try:
+        for t in writers:
+            t.start()
+        for t in writers:
+            t.join()
+    finally:
+        stop.set()
+        watcher.join()
+    assert 0 < _stream_opens(kv) - opens < len(files)
+    assert peak <= (4 << 20) + (512 << 10), peak  # (a file's pages may outlive it a moment)
+    for name, data in files.items():
+        assert (d / name).read_bytes() == data, name

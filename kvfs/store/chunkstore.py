@@ -96,8 +96,9 @@ READ_THROUGH_SEEN_SHARE = 2
 # share of the tier, so that writes always find room to demote into.
 PASSTHROUGH_SHARE = 0.5
 # Files the kernel writes straight into their DRAM file (passthrough writers, `start_stream`):
-# what they write is only counted when they close, so at most this many at once, each
-# expected to take at most this share of the DRAM tier's free room (and of the store's).
+# what they write is only counted when they are taken, so at most this many at once, each
+# expected to take at most this share of the DRAM tier's free room (and of the store's); the
+# room promised to them (their expected sizes) counts as used until then.
 STREAMS_MAX = 16
 STREAM_ROOM_SHARE = 0.25
 # A writeback batch (see ChunkStore.writeback_many) holds WRITEBACK_BATCH full chunks' worth
@@ -299,8 +300,10 @@ class ChunkStore:
         # bytes, until the new ones are written back (`_shadow`).
         self.shadows: dict[tuple[int, int], Loc] = {}
         # Files the kernel is writing straight into their DRAM file (start_stream), and the
-        # ones whose bytes are being taken (take_stream) -> done.
-        self.streaming: set[int] = set()
+        # ones whose bytes are being taken (take_stream) -> done; each -> the room promised
+        # to it (its expected size), which `can_stream` does not count as free.
+        self.streaming: dict[int, int] = {}
+        self.stream_promised = 0
         self._taking: dict[int, trio.Event] = {}
         # Their sizes as found at mount (a crash while they were written): the assembly
         # gives them to the namespace.
@@ -1050,8 +1053,9 @@ class ChunkStore:
 
     @property
     def dram_load(self) -> int:
-        """DRAM bytes in use: chunks' pages plus regions that NVMe reads are filling."""
-        return self.dram_used + self.dram_filling
+        """DRAM bytes in use: chunks' pages, regions that NVMe reads are filling and the room
+        promised to files the kernel is writing (their bytes are counted when taken)."""
+        return self.dram_used + self.dram_filling + self.stream_promised
 
     def promotion_room(self, nbytes: int, limit: float | None = None) -> bool:
         """May a promotion take *nbytes* of DRAM (below *limit* bytes, default 90%) without
@@ -1336,17 +1340,22 @@ class ChunkStore:
         """May one more new file, expected to reach *expected* bytes, be written by the
         kernel without us (`start_stream`)? Not with dram_compress: the copies of such a
         file stay raw until it is closed, and packing is what that option is for."""
-        room = min(self.dram.capacity - self.dram_load, self.capacity - self.used)
+        room = min(self.dram.capacity - self.dram_load,
+                   self.capacity - self.used - self.stream_promised)
         return (not self.dram_compress and len(self.streaming) < STREAMS_MAX
                 and pages(expected) <= STREAM_ROOM_SHARE * room)
 
-    def start_stream(self, ino: int) -> int:
-        """The kernel will write the (empty) file *ino* straight into its DRAM file (the
-        returned descriptor) until `take_stream(ino, done=True)`. Recorded in lmdb first, so
-        that a mount after a crash takes what the DRAM file holds (`_load`)."""
+    def start_stream(self, ino: int, expected: int) -> int:
+        """The kernel will write the (empty) file *ino*, expected to reach *expected* bytes,
+        straight into its DRAM file (the returned descriptor) until `take_stream(ino,
+        done=True)`. Recorded in lmdb first, so that a mount after a crash takes what the
+        DRAM file holds (`_load`)."""
         with self.meta.write() as txn:
             txn.put(u64(ino), b"", db=self.meta.db["writers"])
-        self.streaming.add(ino)
+        self.streaming[ino] = pages(expected)
+        self.stream_promised += pages(expected)
+        if self.dram_load > self.high_water:
+            self.kick_demoter()
         self.dram.pin(ino)
         self.counters.stream_opens += 1
         return self.dram.extend(ino, 0)
@@ -1406,8 +1415,7 @@ class ChunkStore:
             if on_commit is not None:
                 on_commit(size)
         if done:
-            self.streaming.discard(ino)
-            self.dram.unpin(ino)
+            self._stream_ended(ino)
         if self.dram_load > self.high_water:
             self.kick_demoter()
         return size
@@ -1426,7 +1434,10 @@ class ChunkStore:
         be opened so: nothing to take; `delete_file` frees what an fsync recorded."""
         with self.meta.write() as txn:
             txn.delete(u64(ino), db=self.meta.db["writers"])
-        self.streaming.discard(ino)
+        self._stream_ended(ino)
+
+    def _stream_ended(self, ino: int) -> None:
+        self.stream_promised -= self.streaming.pop(ino, 0)
         self.dram.unpin(ino)
 
     def resized(self, ino: int, size: int) -> None:
