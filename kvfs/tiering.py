@@ -105,8 +105,9 @@ class DramPolicy:
         return math.inf if d is None else d
 
     def next_victim(self, skip: set[Key]) -> Key | None:
-        """The coldest key not in *skip*, looking at the live queues; a key readahead wants
-        kept only if there is no other, and then the one wanted last (of the coldest
+        """The coldest key not in *skip* (the ones already leaving), looking at the live
+        queues; a key readahead wants kept only if there is no other and nothing is leaving
+        (what leaves may be room enough), and then the one wanted last (of the coldest
         KEPT_SCAN)."""
         kept: list[Key] = []
         for queue in (self.probation, self.protected):
@@ -116,6 +117,8 @@ class DramPolicy:
                         return key
                     if len(kept) < KEPT_SCAN:
                         kept.append(key)
+        if skip:
+            return None
         return max(kept, key=self._wanted_at, default=None)
 
 

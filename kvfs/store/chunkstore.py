@@ -710,10 +710,10 @@ class ChunkStore:
 
     def _drop_one_clean(self) -> bool:
         for key in self.policy.victims():
-            if self.is_clean(key):
+            if self.is_clean(key) and not self.policy.keep(key):
                 self.drop_dram_copy(key)
                 return True
-            break  # the oldest is dirty: leave it to the demoter, it keeps eviction order
+            break  # dirty, or wanted by readahead: the demoter keeps eviction order
         return False
 
     async def run_disposals(self) -> None:
