@@ -301,7 +301,7 @@ class ChunkStore:
         self.shadows: dict[tuple[int, int], Loc] = {}
         # Files the kernel is writing straight into their DRAM file (start_stream), and the
         # ones whose bytes are being taken (take_stream) -> done; each -> the room promised
-        # to it (its expected size), which `can_stream` does not count as free.
+        # to it (its expected size), part of `dram_load` until it is taken.
         self.streaming: dict[int, int] = {}
         self.stream_promised = 0
         self._taking: dict[int, trio.Event] = {}
