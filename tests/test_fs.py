@@ -655,6 +655,8 @@ def test_files_the_kernel_writes_at_once_stay_within_the_dram_tier(kv):
     opens = _stream_opens(kv)
     files = {f"b{i}": os.urandom(512 << 10) for i in range(12)}  # 6 MiB open at once
     fds = {n: os.open(d / n, os.O_CREAT | os.O_WRONLY, 0o644) for n in files}
+    promised = kv.status()["tiers"]["dram"]["promised_bytes"]
+    assert 0 < promised <= (4 << 20) - (512 << 10)
     peak = 0
     stop = threading.Event()
 
@@ -680,5 +682,6 @@ def test_files_the_kernel_writes_at_once_stay_within_the_dram_tier(kv):
         watcher.join()
     assert 0 < _stream_opens(kv) - opens < len(files)
     assert peak <= (4 << 20) + (512 << 10), peak  # (a file's pages may outlive it a moment)
+    assert kv.status()["tiers"]["dram"]["promised_bytes"] == 0  # all taken
     for name, data in files.items():
         assert (d / name).read_bytes() == data, name

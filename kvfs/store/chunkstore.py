@@ -2085,6 +2085,7 @@ class ChunkStore:
                          "used_bytes": self.dram_used + unseen,
                          "logical_bytes": self.dram_logical, "chunks": self.dram_chunks,
                          "dirty_bytes": self.unbacked, "packed_chunks": self.dram_packed,
+                         "promised_bytes": self.stream_promised,
                          "files": len(self.dram.claims), "passthrough_files": len(self.dram.pins)},
                 "nvme": {"capacity_bytes": self.nvme.capacity, "used_bytes": self.nvme_live,
                          "logical_bytes": self.nvme_logical, "chunks": self.nvme_chunks,
