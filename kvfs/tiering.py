@@ -110,15 +110,14 @@ class DramPolicy:
         (what leaves may be room enough), and then the one wanted last (of the coldest
         KEPT_SCAN)."""
         kept: list[Key] = []
+        scan = KEPT_SCAN if not skip else 0  # kept ones are no candidates while any leave
         for queue in (self.probation, self.protected):
             for key in queue:
                 if key not in skip and not self.pinned(key):
                     if not self.keep(key):
                         return key
-                    if len(kept) < KEPT_SCAN:
+                    if len(kept) < scan:
                         kept.append(key)
-        if skip:
-            return None
         return max(kept, key=self._wanted_at, default=None)
 
 
