@@ -49,6 +49,7 @@ import xxhash
 
 from kvfs import _digest
 from kvfs._index import ChunkIndex
+from kvfs.nursery import open_nursery
 from kvfs.store.choices import ChoiceMemory
 from kvfs.store.codec import CODEC_RAW, Codec, CodecError
 from kvfs.store.dram import DramFile, DramFiles, pages
@@ -1290,7 +1291,7 @@ class ChunkStore:
             if now is not None and now.dram_slot >= 0 and not now.flags & PACKED:
                 self.dram.mark_checked(ino, c, now.seq)  # fetch checked these bytes
 
-        async with trio.open_nursery() as nursery:
+        async with open_nursery() as nursery:
             for c, loc in todo:
                 nursery.start_soon(stage, c, loc)
         if any((loc := self.get(ino, c)) is None or loc.dram_slot < 0 for c, _ in todo):
@@ -1686,7 +1687,7 @@ class ChunkStore:
             sums[i] = await trio.to_thread.run_sync(self._hash_regions, held, parts[i],
                                                     limiter=self.limiter)
         try:
-            async with trio.open_nursery() as nursery:
+            async with open_nursery() as nursery:
                 for i in range(len(parts)):
                     nursery.start_soon(hash_part, i)
         finally:
@@ -1724,7 +1725,8 @@ class ChunkStore:
         done = [True] * len(keys)
         # Another task choosing a file's codec decides for this batch's chunks of it too.
         while waits := [w for ino in {k[0] for k in keys}
-                        if self._file_codec.get(ino) is None and (w := self._choosing.get(ino))]:
+                        if self._file_codec.get(ino) is None
+                        and (w := self._choosing.get(ino)) is not None]:
             await waits[0].wait()
         jobs: list[_Job] = []
         choosing: dict[int, trio.Event] = {}  # the files whose codec this batch chooses
@@ -1943,7 +1945,7 @@ class ChunkStore:
                      if not self.is_clean((ino, c))]
             if not dirty:
                 break
-            async with trio.open_nursery() as nursery:
+            async with open_nursery() as nursery:
                 for c in dirty:
                     nursery.start_soon(partial(self.writeback, (ino, c), drop=False,
                                                pack=True))
@@ -1959,7 +1961,7 @@ class ChunkStore:
     async def writeback_all(self) -> None:
         """Write every dirty chunk to NVMe (clean unmount)."""
         keys = list(self.dirty_since)
-        async with trio.open_nursery() as nursery:
+        async with open_nursery() as nursery:
             limiter = trio.Semaphore(2)
             for batch in self.writeback_batches(keys):
                 await limiter.acquire()
