@@ -19,6 +19,7 @@ from kvfs.namespace import Namespace
 from kvfs.readahead import Readahead
 from kvfs.store.chunkstore import ChunkStore
 from kvfs.store.codec import Codec, CodecPolicy
+from kvfs.store.dram import OPEN_FILES
 from kvfs.store.gc import Cleaner
 from kvfs.store.meta import MetaStore
 from kvfs.store.streams import LifetimeClassifier, StreamTable
@@ -32,7 +33,7 @@ WRITEBACK_AGE_S = 30.0
 
 
 class Assembly:
-    def __init__(self, s: Settings) -> None:
+    def __init__(self, s: Settings, dram_open_files: int = OPEN_FILES) -> None:
         self.settings = s
         self.meta = MetaStore(os.path.join(s.nvme_dir, "meta"))
         sb = self.meta.load_superblock()
@@ -50,7 +51,8 @@ class Assembly:
             # verify=False: the store checks the xxh3 of every decoded chunk itself
             codec=Codec(CodecPolicy(enabled=s.compress, verify=False)),
             io_threads=s.io_threads, policy=self.policy, dram_compress=s.dram_compress,
-            dram_verify=s.dram_verify, read_through_min=s.read_through_min)
+            dram_verify=s.dram_verify, read_through_min=s.read_through_min,
+            dram_open_files=dram_open_files)
         self.policy.pinned = lambda key: key[0] in self.store.dram.pins
         self.ns = Namespace(self.meta)
         for ino, size in self.store.recovered_sizes.items():

@@ -11,6 +11,7 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import socket
 import sys
 
@@ -18,7 +19,7 @@ import trio
 
 from kvfs.config import ConfigError, Settings, format_size
 from kvfs.profile import from_environment
-from kvfs.store.dram import is_tmpfs, own_tmpfs
+from kvfs.store.dram import OPEN_FILES, is_tmpfs, own_tmpfs
 from kvfs.store.meta import FormatError
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,53 @@ def _load_fallocate_shim():
     return _fuseshim
 
 
+# Descriptors the daemon holds besides the NVMe segments' and the DRAM files' (lmdb,
+# /dev/fuse, the log, trio's and the worker threads' wake-up pipes, files being disposed of).
+FD_RESERVE = 256
+DRAM_FDS_MIN = 64
+# Segments beyond nvme_size / segment_size that can be open at once (one being filled per
+# stream, the cleaner's).
+SEGMENTS_EXTRA = 64
+FD_TABLE_MAX = 1 << 16
+
+
+def descriptor_budget(s: Settings) -> int:
+    """How many DRAM file descriptors the store may keep open, after raising the soft limit
+    on open files to the hard one: systemd and most logins start a process at 1,024, which
+    a mount passes after ~1,000 files (every create then failed with EMFILE), and every
+    NVMe segment holds one too. Also grows the descriptor table to what the mount will use
+    while the process has a single thread: grown later, each doubling of it waits for an RCU
+    grace period because threads share it (6-23 ms here, at 256, 512, ... 4,096 files)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else FD_TABLE_MAX * 16
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open files limit from %d: %s", soft, exc)
+    limit = soft if soft != resource.RLIM_INFINITY else want
+    segments = s.nvme_size // s.segment_size + SEGMENTS_EXTRA
+    dram = min(OPEN_FILES, limit - segments - FD_RESERVE)
+    if dram < DRAM_FDS_MIN:
+        log.warning("open files limit %d is low for this NVMe tier (up to %d segment files "
+                    "open): raise it (ulimit -n, LimitNOFILE=) or segment_size", limit, segments)
+        dram = DRAM_FDS_MIN
+    top = min(limit, dram + segments + FD_RESERVE, FD_TABLE_MAX)
+    fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if top - 1 > fd:
+            os.dup2(fd, top - 1, inheritable=False)
+            os.close(top - 1)
+    except OSError as exc:  # only a cost: the table grows as files are opened instead
+        log.debug("descriptor table not grown to %d: %s", top, exc)
+    finally:
+        os.close(fd)
+    return dram
+
+
 def _serve(s: Settings, ready_fd: int | None) -> int:
+    dram_fds = descriptor_budget(s)  # first: the process has one thread now
     shim = _load_fallocate_shim()
     import pyfuse3
 
@@ -156,7 +203,7 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         lock = _lock(s.nvme_dir)
         if s.dram_huge:
             log.info("DRAM tier: %s", own_tmpfs(s.dram_dir, 2 * s.dram_size))
-        asm = Assembly(s)
+        asm = Assembly(s, dram_open_files=dram_fds)
     except Exception as exc:
         msg = str(exc) if isinstance(exc, (ConfigError, MountError, FormatError)) else repr(exc)
         log.error("cannot start: %s", msg)

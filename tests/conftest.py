@@ -42,7 +42,8 @@ class Mount:
     options: dict = field(default_factory=dict)
     flags: list = field(default_factory=list)
 
-    def start(self, **extra) -> subprocess.CompletedProcess:
+    def start(self, preexec=None, **extra) -> subprocess.CompletedProcess:
+        """Mount (and wait for it); *preexec* runs in the child before kvfs starts."""
         opts = {**self.options, **extra}
         args = KVFS + ["mount", str(self.path), "--dram-dir", str(self.dram_dir),
                        "--nvme-dir", str(self.nvme_dir),
@@ -50,7 +51,7 @@ class Mount:
         o = ",".join(f"{k}={v}" for k, v in opts.items())
         if o:
             args += ["-o", o]
-        r = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        r = subprocess.run(args, capture_output=True, text=True, timeout=60, preexec_fn=preexec)
         if r.returncode != 0:
             raise RuntimeError(f"mount failed ({r.returncode}): {r.stderr}")
         assert _mounted(str(self.path))

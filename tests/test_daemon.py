@@ -149,3 +149,27 @@ def test_dram_tier_gets_a_huge_page_tmpfs_of_its_own(mount_factory):
     other.start()
     assert "no huge-page tmpfs mounted over it" in other.log()
     assert not os.path.ismount(other.dram_dir)
+
+
+@pytest.mark.parametrize("soft, hard", [(1024, None), (400, 400)])
+def test_more_files_than_the_open_files_limit(mount_factory, soft, hard):
+    """Every DRAM file and NVMe segment holds a descriptor. Started under systemd's soft limit
+    of 1,024 the daemon raises it; under a hard limit it keeps fewer DRAM files open. Either
+    way every create succeeds (it failed with EMFILE after ~1,000 files) and every byte
+    comes back."""
+    import resource
+
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    m = mount_factory(start=False)
+    m.start(preexec=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard or before[1])))
+    limits = open(f"/proc/{m.pid()}/limits").read()
+    line = next(ln for ln in limits.splitlines() if ln.startswith("Max open files"))
+    if hard is None:
+        assert int(line.split()[3]) == before[1]  # soft raised to the hard limit
+    n = 1300
+    blobs = [os.urandom(1024) + i.to_bytes(4, "little") for i in range(n)]
+    for i, blob in enumerate(blobs):
+        (m.path / f"f{i}").write_bytes(blob)
+    assert all((m.path / f"f{i}").read_bytes() == blob for i, blob in enumerate(blobs))
+    assert len(os.listdir(f"/proc/{m.pid()}/fd")) < (hard or before[1])
+    assert "Too many open files" not in m.log()

@@ -52,7 +52,7 @@ from kvfs._index import ChunkIndex
 from kvfs.nursery import open_nursery
 from kvfs.store.choices import ChoiceMemory
 from kvfs.store.codec import CODEC_RAW, Codec, CodecError
-from kvfs.store.dram import DramFile, DramFiles, pages
+from kvfs.store.dram import OPEN_FILES, DramFile, DramFiles, pages
 from kvfs.store.meta import MetaStore, from_key2, from_u64, key2, u64
 from kvfs.store.nvme import NvmeFull, NvmeLog, RecordError, RecordHeader, record_length
 
@@ -235,7 +235,8 @@ class ChunkStore:
     def __init__(self, meta: MetaStore, fs_uuid: str, *, chunk_size: int, dram_dir: str,
                  dram_size: int, nvme_dir: str, nvme_size: int, segment_size: int,
                  codec: Codec, io_threads: int, policy, dram_compress: bool = False,
-                 dram_verify: str = "once", read_through_min: int = 0) -> None:
+                 dram_verify: str = "once", read_through_min: int = 0,
+                 dram_open_files: int = OPEN_FILES) -> None:
         self.meta = meta
         self.cs = chunk_size
         self.codec = codec
@@ -245,7 +246,7 @@ class ChunkStore:
         self.dram_verify = dram_verify
         self.policy = policy
         self.index = ChunkIndex(1 << 16)
-        self.dram = DramFiles(dram_dir, fs_uuid, chunk_size, dram_size)
+        self.dram = DramFiles(dram_dir, fs_uuid, chunk_size, dram_size, dram_open_files)
         # Regions released by a commit give their pages back once the commit is done.
         meta.on_settled = self.dram.settle
         self.nvme = NvmeLog(nvme_dir, fs_uuid, nvme_size, segment_size)

@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 
 PAGE = 4096
 # Descriptors of DRAM files kept open (least recently used closed first): opening a tmpfs
-# file costs a few microseconds, a descriptor nothing, but the process has a limit.
+# file costs a few microseconds, a descriptor nothing, but the process has a limit (the
+# daemon raises it and may ask for fewer: kvfs.daemon.descriptor_budget).
 OPEN_FILES = 4096
 
 
@@ -126,8 +127,10 @@ class DramFile:
 class DramFiles:
     """The DRAM files of one mount: descriptors, claimed regions, pins, disposal."""
 
-    def __init__(self, directory: str, fs_uuid: str, chunk_size: int, capacity: int) -> None:
+    def __init__(self, directory: str, fs_uuid: str, chunk_size: int, capacity: int,
+                 max_fds: int = OPEN_FILES) -> None:
         self.directory = directory
+        self.max_fds = max_fds
         self.chunk_size = chunk_size
         self.capacity = capacity
         self.files_dir = os.path.join(directory, "files")
@@ -270,14 +273,30 @@ class DramFiles:
         if f is not None:
             self._open.move_to_end(ino)
             return f.fd
-        f = DramFile(ino, os.open(self.path(ino), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+        try:
+            fd = os.open(self.path(ino), flags, 0o600)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE) or not self._open:
+                raise
+            # Out of descriptors after all (something else holds many): give back the
+            # cached ones nobody uses, and keep fewer from now on.
+            log.warning("out of file descriptors with %d DRAM files open: keeping at most %d",
+                        len(self._open), max(16, len(self._open) // 2))
+            self.max_fds = max(16, len(self._open) // 2)
+            self._close_some(keep=0)
+            fd = os.open(self.path(ino), flags, 0o600)
+        f = DramFile(ino, fd)
         self._open[ino] = f
-        if len(self._open) > OPEN_FILES:
+        if len(self._open) > self.max_fds:
             self._close_some()
         return f.fd
 
-    def _close_some(self) -> None:
-        for ino in list(itertools.islice(self._open, len(self._open) - OPEN_FILES // 2)):
+    def _close_some(self, keep: int | None = None) -> None:
+        """Close the least recently used descriptors nobody holds, down to *keep* open (by
+        default half the cache: closing one per open would cost a syscall each time)."""
+        keep = self.max_fds // 2 if keep is None else keep
+        for ino in list(itertools.islice(self._open, max(0, len(self._open) - keep))):
             f = self._open[ino]
             if f.users == 0:
                 del self._open[ino]
