@@ -3,6 +3,7 @@ punching and disposal, pins, held descriptors, and what a mount adopts after a c
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import uuid
@@ -107,8 +108,8 @@ def test_extend_and_truncate_keep_the_file_as_long_as_asked(dram):
     assert not os.path.exists(dram.path(8))
 
 
-def test_descriptors_are_bounded(dram, monkeypatch):
-    monkeypatch.setattr("kvfs.store.dram.OPEN_FILES", 8)
+def test_descriptors_are_bounded(dram):
+    dram.max_fds = 8
     held = dram.hold(1)
     for ino in range(1, 40):
         put(dram, ino, 0, ino % 250, 4096)
@@ -169,3 +170,28 @@ def test_any_change_of_a_region_forgets_its_check(dram):
     put(dram, 6, 0, 1)
     dram.mark_checked(6, 0, 7)
     assert dram.checked(6, 0, 7, consume=True) and not dram.checked(6, 0, 7)  # one read only
+
+
+def test_running_out_of_descriptors_closes_cached_ones(dram, monkeypatch):
+    """EMFILE at an open (something else holds many descriptors): the unused cached
+    descriptors go, the cache keeps fewer from then on, and the open succeeds."""
+    for ino in range(1, 21):
+        put(dram, ino, 0, ino, 4096)
+    held = dram.hold(1)
+    real_open = os.open
+    failed = []
+
+    def open_once_failing(path, flags, mode=0o777):
+        if not failed and path == dram.path(21):
+            failed.append(path)
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr("kvfs.store.dram.os.open", open_once_failing)
+    put(dram, 21, 0, 21, 4096)
+    assert failed
+    assert dram.max_fds == 16 and dram.open_files <= 2  # the held one and the new one
+    assert dram.fd(1) == held.fd
+    dram.drop(held)
+    with open(dram.path(21), "rb") as f:
+        assert f.read(4096) == bytes([21]) * 4096
