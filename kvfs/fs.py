@@ -185,7 +185,8 @@ class Operations(pyfuse3.Operations):
     def _maybe_free(self, inode: Inode) -> None:
         """Release an inode's data once nothing names or holds it, and the inode itself once
         the kernel has forgotten it too."""
-        if inode.nlink > 0 or inode.opens > 0 or inode.ino in self._pending_takes:
+        if (inode.nlink > 0 or inode.opens > 0 or inode.ino in self._pending_takes
+                or inode.ino in self._finishing):  # the take's end frees it (_take_now)
             return
         if inode.is_reg:
             self.readahead.forgotten(inode.ino)
@@ -235,6 +236,8 @@ class Operations(pyfuse3.Operations):
     async def setattr(self, inode, attr, fields, fh, ctx):
         if inode in self._pending_takes:
             await self._take_now(inode)
+        while (finishing := self._finishing.get(inode)) is not None:  # a take under way
+            await finishing.wait()
         node = self._current(self.ns.get(inode))
         now = time.time_ns()
         if fields.update_size:

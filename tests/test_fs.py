@@ -6,6 +6,8 @@ import errno
 import mmap
 import os
 import stat
+import subprocess
+import sys
 import threading
 import time
 
@@ -488,6 +490,42 @@ def test_what_follows_a_close_sees_the_file_before_and_after_its_take(kv):
     for name, data in files.items():
         assert (d / name).read_bytes() == data, name
     assert sorted(os.listdir(d)) == sorted([*files, "first"])
+
+
+def test_unlink_or_truncate_while_a_big_file_is_taken(mount_factory):
+    """The take of a streamed file over 512 KiB hashes it in worker threads. An unlink or a
+    truncate arriving meanwhile (right after the close) must wait for the take or be seen
+    by it: the take once brought an unlinked inode back into the metadata with chunks in a
+    DRAM file created anew (empty), and undid a truncation."""
+    m = mount_factory(dram_size="64M", nvme_size="256M")
+    d = m.path / "big"
+    d.mkdir()
+    _teach(m, d, 2 << 20)
+    opens = _stream_opens(m)
+    files = {"first": (d / "first").read_bytes()}
+    for i in range(16):
+        data = os.urandom(2 << 20)
+        (d / f"b{i}").write_bytes(data)
+        if i % 2:
+            os.unlink(d / f"b{i}")
+        else:
+            os.truncate(d / f"b{i}", 1000 + i)
+            files[f"b{i}"] = data[:1000 + i]
+            assert os.stat(d / f"b{i}").st_size == 1000 + i
+    assert _stream_opens(m) >= opens + 12
+    for name, data in files.items():
+        assert (d / name).read_bytes() == data, name
+    st = m.status()
+    stored = st["tiers"]["dram"]["logical_bytes"] + st["tiers"]["nvme"]["logical_bytes"]
+    assert stored <= sum(map(len, files.values())) + (64 << 10)
+    m.unmount()
+    r = subprocess.run([sys.executable, "-m", "kvfs.cli.fsck", str(m.nvme_dir), "--dram-dir",
+                        str(m.dram_dir)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m.start()
+    assert sorted(os.listdir(d)) == sorted(files)
+    for name, data in files.items():
+        assert (d / name).read_bytes() == data, name
 
 
 def test_new_files_are_written_straight_into_dram(kv):
