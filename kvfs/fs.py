@@ -37,6 +37,7 @@ the DRAM file's contents as the file (`take_stream`), as soon as no request wait
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import itertools
@@ -44,7 +45,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pyfuse3
@@ -140,6 +141,9 @@ class Operations(pyfuse3.Operations):
         self.backing: dict[int, list[int]] = {}
         self.writers: dict[int, int] = {}
         self._finishing: dict[int, trio.Event] = {}
+        self._opening: dict[int, int] = {}  # ino -> opens under way (_opening_file)
+        # Unlinked files whose data is freed but which the kernel still knows (see _open).
+        self._data_freed: set[int] = set()
         self._pending_takes: dict[int, None] = {}
         self._take_wakeup = trio.Event()
         self.stream_policy = StreamingPolicy()
@@ -186,7 +190,8 @@ class Operations(pyfuse3.Operations):
         """Release an inode's data once nothing names or holds it, and the inode itself once
         the kernel has forgotten it too."""
         if (inode.nlink > 0 or inode.opens > 0 or inode.ino in self._pending_takes
-                or inode.ino in self._finishing):  # the take's end frees it (_take_now)
+                or inode.ino in self._finishing  # the take's end frees it (_take_now)
+                or inode.ino in self._opening):  # so does the open's (_opening_file)
             return
         if inode.is_reg:
             self.readahead.forgotten(inode.ino)
@@ -196,7 +201,10 @@ class Operations(pyfuse3.Operations):
         if self.evictor is not None:
             self.evictor.forget(inode.ino)
         if inode.lookups <= 0:
+            self._data_freed.discard(inode.ino)
             self.ns.forget_inode(inode)
+        elif inode.is_reg:
+            self._data_freed.add(inode.ino)  # an OPEN already on its way finds it gone
 
     async def _space_retry(self, op, need: int):
         """Run *op*; in cache mode, evict cold files and retry when the store is full."""
@@ -410,6 +418,25 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def open(self, inode, flags, ctx):
+        with self._opening_file(inode):
+            return await self._open(inode, flags, ctx)
+
+    @contextlib.contextmanager
+    def _opening_file(self, ino: int) -> Iterator[None]:
+        """An open under way, which may await (a take, a truncation, staging from NVMe): an
+        unlink meanwhile must leave the file to its last close, as for an open file, not
+        free it under the open (which then read an empty file)."""
+        self._opening[ino] = self._opening.get(ino, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._opening.pop(ino) - 1
+            if left:
+                self._opening[ino] = left
+            elif (node := self.ns.inodes.get(ino)) is not None:
+                self._maybe_free(node)  # the open failed, and nothing else names the file
+
+    async def _open(self, inode, flags, ctx):
         if inode in self._pending_takes:
             await self._take_now(inode)
         while (finishing := self._finishing.get(inode)) is not None:
@@ -417,6 +444,10 @@ class Operations(pyfuse3.Operations):
         node = self._current(self.ns.get(inode))
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
+        if node.nlink == 0 and inode in self._data_freed:
+            # Unlinked, with no open, between the caller's lookup and this OPEN: its data is
+            # gone. As if the unlink had come before the lookup, not an empty file.
+            raise pyfuse3.FUSEError(errno.ENOENT)
         if flags & os.O_TRUNC and node.size:
             # libfuse negotiates atomic O_TRUNC: the kernel leaves truncation to open().
             await self.store.truncate(inode, node.size, 0)

@@ -528,6 +528,44 @@ def test_unlink_or_truncate_while_a_big_file_is_taken(mount_factory):
         assert (d / name).read_bytes() == data, name
 
 
+def test_an_open_racing_an_unlink_reads_the_file_or_finds_it_gone(mount_factory):
+    """An open of an NVMe-resident file stages it into DRAM first, awaiting the disk. An
+    unlink arriving then, or between the reader's lookup and its OPEN, freed the data under
+    it: the open succeeded and read an empty file. Now the open either reads every byte (an
+    unlink during it leaves the file to the last close) or fails with ENOENT (the unlink
+    came first), as on a local filesystem."""
+    m = mount_factory(dram_size="64M", nvme_size="256M")
+    d = m.path / "f"
+    d.mkdir()
+    blobs = [os.urandom(2 << 20) for _ in range(16)]
+    for i, blob in enumerate(blobs):
+        (d / f"b{i}").write_bytes(blob)
+    m.unmount()
+    m.lose_dram()
+    m.start()
+
+    def reader(path, got):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            got["gone"] = True
+            return
+        try:
+            got["data"] = os.pread(fd, (2 << 20) + 1, 0)
+        finally:
+            os.close(fd)
+
+    for i, blob in enumerate(blobs):
+        got = {}
+        t = threading.Thread(target=reader, args=(d / f"b{i}", got))
+        t.start()
+        time.sleep(0.0002 * (i % 8))
+        os.unlink(d / f"b{i}")
+        t.join()
+        assert got.get("gone") or got["data"] == blob, (i, len(got.get("data", b"")))
+    assert not os.listdir(d)
+
+
 def test_new_files_are_written_straight_into_dram(kv):
     d = kv.path / "blocks"
     d.mkdir()
