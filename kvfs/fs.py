@@ -242,10 +242,7 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def setattr(self, inode, attr, fields, fh, ctx):
-        if inode in self._pending_takes:
-            await self._take_now(inode)
-        while (finishing := self._finishing.get(inode)) is not None:  # a take under way
-            await finishing.wait()
+        await self._taken(inode)
         node = self._current(self.ns.get(inode))
         now = time.time_ns()
         if fields.update_size:
@@ -437,10 +434,7 @@ class Operations(pyfuse3.Operations):
                 self._maybe_free(node)  # the open failed, and nothing else names the file
 
     async def _open(self, inode, flags, ctx):
-        if inode in self._pending_takes:
-            await self._take_now(inode)
-        while (finishing := self._finishing.get(inode)) is not None:
-            await finishing.wait()
+        await self._taken(inode)
         node = self._current(self.ns.get(inode))
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
@@ -644,6 +638,15 @@ class Operations(pyfuse3.Operations):
             await self._take_now(ino)
         except Exception:
             log.exception("taking inode %d after its last close failed", ino)
+
+    async def _taken(self, ino: int) -> None:
+        """Until *ino* is no file the kernel's writer left to be taken: taken now if it
+        waits, or its take under way finished (an open or a truncation needs its bytes
+        still and recorded)."""
+        if ino in self._pending_takes:
+            await self._take_now(ino)
+        while (finishing := self._finishing.get(ino)) is not None:
+            await finishing.wait()
 
     async def _take_now(self, ino: int) -> None:
         """Take *ino* now if it waits to be (an open or a truncation of it needs it taken).

@@ -281,9 +281,9 @@ class DramFiles:
                 raise
             # Out of descriptors after all (something else holds many): give back the
             # cached ones nobody uses, and keep fewer from now on.
-            log.warning("out of file descriptors with %d DRAM files open: keeping at most %d",
-                        len(self._open), max(16, len(self._open) // 2))
             self.max_fds = max(16, len(self._open) // 2)
+            log.warning("out of file descriptors with %d DRAM files open: keeping at most %d",
+                        len(self._open), self.max_fds)
             self._close_some(keep=0)
             fd = os.open(self.path(ino), flags, 0o600)
         f = DramFile(ino, fd)
