@@ -70,6 +70,11 @@ class Assembly:
         self.control = Control(self.ns, self.store, s, self.readahead, extra)
         self.ops = Operations(self.ns, self.store, self.control, self.readahead,
                               cache_mode=s.cache_mode)
+        self.store.revoke = self.ops.revoke
+        self.store.staged = self.ops.staged
+        # opens answered by the shim's front thread, without waiting for the trio thread
+        extra.append(lambda: {"passthrough": {"fast_opens": self.ops.fast_opens,
+                                              "fast_open_files": len(self.ops.hot)}})
         if s.cache_mode:
             self.evictor = FileEvictor(self.ops.remove_file, self.store.file_bytes)
             self.ops.evictor = self.evictor

@@ -96,6 +96,10 @@ class Settings:
     # FUSE passthrough (Linux 6.9+): a file opened for reading whose chunks are all in DRAM
     # is read by the kernel straight from its DRAM file, without a request to the daemon.
     passthrough: bool = True
+    # With passthrough: a thread of the daemon's own reads the FUSE device, and answers an
+    # open for reading of a file still as a passthrough open found it (every chunk in DRAM
+    # and checked) at once, instead of queueing it behind the daemon's other work.
+    fast_open: bool = True
     # When DRAM copies are checked against their checksums (a passthrough open checks the
     # whole file for the reads the kernel will serve without us):
     # "once": bytes are checked as they enter DRAM (staged NVMe reads checked, written
@@ -179,7 +183,8 @@ class Settings:
 
 
 _BOOL_OPTIONS = {"cache_mode", "foreground", "debug", "allow_other", "compress", "prefetch",
-                 "dram_prefault", "dram_compress", "passthrough", "dram_huge"}
+                 "dram_prefault", "dram_compress", "passthrough", "dram_huge",
+                 "fast_open"}
 _FLOAT_OPTIONS = {"dram_high_watermark", "dram_low_watermark"}
 _INT_OPTIONS = {"io_threads", "readahead_chunks", "streams", "prefetch_concurrency"}
 # Generic mount options that mount(8) passes along and kvfs has nothing to do with.

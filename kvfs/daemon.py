@@ -215,6 +215,8 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         shim.set_fallocate_handler(asm.ops.fallocate_sync)
         shim.set_write_handlers(asm.ops.write_plan, asm.ops.write_done)
         shim.want_passthrough(s.passthrough)
+        shim.want_front_thread(s.passthrough and s.fast_open)
+        shim.set_opened_handler(asm.ops.fast_opened)
         if s.passthrough:
             asm.ops.shim = shim
         shim.set_no_capabilities(not asm.ns.security_xattrs)
@@ -232,6 +234,8 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         _tell(ready_fd, f"error: mounting {s.mountpoint} failed: {exc}")
         os.close(lock)
         return 1
+    if shim is not None and shim.front_thread() and s.dram_verify != "open":
+        asm.ops.fast_open = True  # (dram_verify=open: every open checks the file again)
     log.info("mounted %s (DRAM %s in %s, NVMe %s in %s, chunk %s, fallocate %s)",
              s.mountpoint, format_size(s.dram_size), s.dram_dir, format_size(s.nvme_size),
              s.nvme_dir, format_size(asm.store.cs),

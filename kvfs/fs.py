@@ -75,6 +75,9 @@ FALLOC_FL_KEEP_SIZE = 0x01
 # is waiting (see Operations.run_takes); at most TAKE_BACKLOG files wait, none over TAKE_WAIT_S.
 TAKE_BACKLOG = 4
 TAKE_WAIT_S = 0.02
+# Files of at most this many chunks go to the front thread's table (a staged chunk checks
+# its whole file; bigger files are read through the daemon anyway).
+FAST_OPEN_MAX_CHUNKS = 16
 
 
 @dataclass
@@ -147,6 +150,11 @@ class Operations(pyfuse3.Operations):
         self._pending_takes: dict[int, None] = {}
         self._take_wakeup = trio.Event()
         self.stream_policy = StreamingPolicy()
+        # Files whose read-only opens the shim's front thread answers (see "Opens answered
+        # by the front thread"); empty unless `fast_open` was set by the daemon.
+        self.fast_open = False
+        self.hot: set[int] = set()
+        self.fast_opens = 0
 
     # -- helpers ---------------------------------------------------------------------------
     def _parent(self, ino: int) -> int | None:
@@ -189,6 +197,8 @@ class Operations(pyfuse3.Operations):
     def _maybe_free(self, inode: Inode) -> None:
         """Release an inode's data once nothing names or holds it, and the inode itself once
         the kernel has forgotten it too."""
+        if inode.nlink == 0:
+            self.revoke(inode.ino)  # opens the front thread answered count as opens
         if (inode.nlink > 0 or inode.opens > 0 or inode.ino in self._pending_takes
                 or inode.ino in self._finishing  # the take's end frees it (_take_now)
                 or inode.ino in self._opening):  # so does the open's (_opening_file)
@@ -246,6 +256,7 @@ class Operations(pyfuse3.Operations):
         node = self._current(self.ns.get(inode))
         now = time.time_ns()
         if fields.update_size:
+            self.revoke(inode)
             if not node.is_reg:
                 raise pyfuse3.FUSEError(errno.EISDIR if node.is_dir else errno.EINVAL)
             if attr.st_size > MAX_FILE_SIZE:
@@ -403,15 +414,96 @@ class Operations(pyfuse3.Operations):
 
     def _end_passthrough(self, h: Handle) -> None:
         """A handle carrying its inode's backing id is released."""
-        b = self.backing[h.ino]
+        self._unback(h.ino)
+        self.store.unpin_passthrough(h.ino)
+
+    def _unback(self, ino: int) -> None:
+        """One holder of *ino*'s backing id (a handle, or its fast-open entry) lets go."""
+        b = self.backing[ino]
         b[1] -= 1
         if b[1] == 0:
-            del self.backing[h.ino]
-            try:
-                self.shim.backing_close(b[0])
-            except (OSError, AttributeError) as exc:
-                log.error("closing passthrough backing %d of inode %d: %s", b[0], h.ino, exc)
-        self.store.unpin_passthrough(h.ino)
+            del self.backing[ino]
+            self._backing_close(ino, b[0])
+
+    def _backing_close(self, ino: int, backing_id: int) -> None:
+        try:
+            self.shim.backing_close(backing_id)
+        except (OSError, AttributeError) as exc:
+            log.error("closing passthrough backing %d of inode %d: %s", backing_id, ino, exc)
+
+    # -- opens answered by the front thread ------------------------------------------------
+    # With the shim's front thread (kvfs._fuseshim, "the front thread"), an OPEN for reading
+    # of a file in its table is answered there, in passthrough mode, without waiting for
+    # this thread, which may be busy for a millisecond with other work; `fast_opened` then
+    # does this side's part of that open when the notice comes, in request order. A file
+    # enters the table at a passthrough open that found it ready (every chunk in DRAM and
+    # checked), holding one reference to its backing id, and leaves it (`revoke`) before
+    # anything that would make a later passthrough open of it wrong: a write or truncation
+    # through the daemon, its DRAM copies dropped or repacked (the store calls `revoke`),
+    # its data freed. Revoking delivers the notices still queued, so that a file opened
+    # there counts as open (pinned) before such a change is decided.
+    def _offer_fast_open(self, node: Inode, ready: bool = False) -> None:
+        """Let the front thread answer *node*'s opens for reading from now on, if it is a
+        file a passthrough open would find ready: *ready*, it was just found so (an open,
+        with no await since); else it is checked here (just taken, or staged)."""
+        ino = node.ino
+        if (not self.fast_open or ino in self.hot or not node.is_reg or node.nlink == 0
+                or ino in self.writers or ino in self._pending_takes
+                or node.size > FAST_OPEN_MAX_CHUNKS * self.store.cs
+                or self.store.reads_through(ino, node.size)):
+            return
+        b = self.backing.get(ino)
+        if not ready:
+            fd = self.store.passthrough_fd(ino, node.size)
+            if fd is None:
+                return
+            if b is None:
+                backing_id = self._backing_open(fd)
+                if backing_id is None:
+                    return
+                b = self.backing[ino] = [backing_id, 0]
+        if self.shim.hot_add(ino, b[0]):
+            self.hot.add(ino)
+            b[1] += 1
+        elif not b[1]:  # opened above for nothing
+            del self.backing[ino]
+            self._backing_close(ino, b[0])
+
+    def staged(self, ino: int) -> None:
+        """A prefetch staged a chunk of *ino* (the store's hook): offer the file once it is
+        wholly in DRAM."""
+        node = self.ns.inodes.get(ino)
+        if node is not None and ino not in self.hot:
+            self._offer_fast_open(node)
+
+    def revoke(self, ino: int) -> None:
+        """The front thread answers no more opens of *ino*; those it did are handles now."""
+        if ino in self.hot:
+            self.hot.discard(ino)
+            self.shim.hot_revoke(ino)  # calls fast_opened for each notice still queued
+            self._unback(ino)
+
+    def fast_opened(self, ino: int, fh: int, flags: int, pid: int, sent: bool) -> None:
+        """The front thread answered an OPEN of *ino* with *fh* (see above); *sent* False:
+        the reply did not reach the opener, so no RELEASE will come for *fh*."""
+        try:
+            if not sent:
+                h = self.handles.pop(fh, None)
+                if h is not None and (node := self._closed(h)) is not None:
+                    self._maybe_free(node)
+                return
+            node = self.ns.inodes[ino]
+            self.readahead.opened(ino, flags, node.size, pid)
+            self.store.pin_passthrough(ino, node.size)
+            self.backing[ino][1] += 1
+            self.handles[fh] = Handle(ino, flags, pid, backed=True)
+            node.opens += 1
+            if self.evictor is not None:
+                self.evictor.touch(ino)
+            self.readahead.read(ino, 0, node.size, pid)
+            self.fast_opens += 1
+        except Exception:
+            log.exception("an open of inode %d answered by the front thread", ino)
 
     @_errors
     async def open(self, inode, flags, ctx):
@@ -444,6 +536,7 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOENT)
         if flags & os.O_TRUNC and node.size:
             # libfuse negotiates atomic O_TRUNC: the kernel leaves truncation to open().
+            self.revoke(inode)
             await self.store.truncate(inode, node.size, 0)
             node.size = 0
             node.mtime_ns = node.ctime_ns = time.time_ns()
@@ -457,6 +550,7 @@ class Operations(pyfuse3.Operations):
         if mode is not None and not mode[1] and not mode[2]:
             # The kernel reads it without us: the whole file counts as read now.
             self.readahead.read(inode, 0, node.size, ctx.pid)
+            self._offer_fast_open(node, ready=True)
         return self._open_handle(node, flags, ctx.pid, mode)
 
     @_errors
@@ -502,6 +596,7 @@ class Operations(pyfuse3.Operations):
         end = off + len(buf)
         if end > MAX_FILE_SIZE:
             raise pyfuse3.FUSEError(errno.EFBIG)
+        self.revoke(h.ino)
         grow_inode = self._grown(h.ino, end)
         await self._space_retry(lambda: self.store.write(h.ino, off, buf, grow_inode), len(buf))
         self._drop_capabilities(h.ino)
@@ -531,6 +626,7 @@ class Operations(pyfuse3.Operations):
                 return errno.EINVAL
             if off + size > MAX_FILE_SIZE:
                 return errno.EFBIG
+            self.revoke(h.ino)
             plan = self.store.plan_write(h.ino, off, size)
             if plan is None:
                 return None
@@ -562,6 +658,14 @@ class Operations(pyfuse3.Operations):
     @_errors
     async def release(self, fh):
         h = self.handles.pop(fh)
+        node = self._closed(h)
+        if node is not None and node.nlink > 0 and h.ino not in self._pending_takes:
+            await self.store.seal(h.ino, node.size)  # (a take seals)
+        if node is not None:
+            self._maybe_free(node)
+
+    def _closed(self, h: Handle) -> Inode | None:
+        """The bookkeeping of a released handle; returns its inode if it still has one."""
         if h.backed:
             self._end_passthrough(h)
         node = self.ns.inodes.get(h.ino)
@@ -571,7 +675,7 @@ class Operations(pyfuse3.Operations):
                 self._pending_takes[h.ino] = None  # taken by run_takes
                 self._take_wakeup.set()
         if node is None:
-            return
+            return None
         if h.flags & os.O_ACCMODE != os.O_RDONLY and node.nlink > 0:
             parent = self._parent(h.ino)
             if parent is not None:  # the size files written in that directory reach
@@ -580,9 +684,7 @@ class Operations(pyfuse3.Operations):
         if not node.opens:
             self.store.end_read_through(h.ino)
         self.readahead.closed(h.ino, h.pid)
-        if node.nlink > 0 and h.ino not in self._pending_takes:  # (a take seals)
-            await self.store.seal(h.ino, node.size)
-        self._maybe_free(node)
+        return node
 
     def _sized(self, node: Inode) -> Callable[[int], None]:
         """The inode update of a take of what the kernel wrote: it is now *size* bytes."""
@@ -661,6 +763,8 @@ class Operations(pyfuse3.Operations):
         finally:
             if node is not None:
                 self._maybe_free(node)
+        if node is not None:
+            self._offer_fast_open(node)  # taken: wholly in DRAM, every chunk checked
 
     @_errors
     async def fsync(self, fh, datasync):
@@ -768,6 +872,7 @@ class Operations(pyfuse3.Operations):
                 return errno.EFBIG
             if length > self.store.capacity:
                 return errno.ENOSPC
+            self.revoke(ino)
             self.store.allocate(ino, offset, length)
             if not mode & FALLOC_FL_KEEP_SIZE and end > node.size:
                 self.store.resized(ino, end)
@@ -787,6 +892,7 @@ class Operations(pyfuse3.Operations):
     def remove_file(self, ino: int) -> bool:
         """Remove every name of a file (cache-mode eviction) and tell the kernel."""
         inode = self.ns.inodes.get(ino)
+        self.revoke(ino)
         if inode is None or not inode.is_reg or inode.opens > 0 or inode.nlink == 0:
             return False
         for parent, name in list(self.ns.names_of(ino)):

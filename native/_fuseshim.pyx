@@ -337,6 +337,8 @@ cdef extern from *:
         .splice_send = kvfs_io_splice_send,
     };
 
+    static int kvfs_front_wanted;
+    static int kvfs_front_start(struct fuse_session *se, int dev_fd);
     typedef int (*kvfs_session_mount_t)(struct fuse_session *, const char *);
 
     int fuse_session_mount(struct fuse_session *se, const char *mountpoint) {
@@ -351,6 +353,8 @@ cdef extern from *:
         kvfs_pt_granted = 0;
         if (kvfs_pt_wanted && fuse_session_custom_io(se, &kvfs_io, kvfs_dev_fd) != 0)
             kvfs_pt_wanted = 0;
+        if (kvfs_front_wanted && kvfs_front_start(se, kvfs_dev_fd) != 0)
+            kvfs_front_wanted = 0;
         return 0;
     }
 
@@ -420,6 +424,401 @@ cdef extern from *:
         Py_XDECREF(kvfs_fallocate_handler);
         kvfs_fallocate_handler = fn;
     }
+
+    /* -- the front thread: opens of resident files answered without the trio thread ------
+       With it on, a thread of our own (no GIL) reads every request from the FUSE device.
+       An OPEN for reading of a file in the fast-open table (kvfs_hot_*: inodes whose every
+       chunk is in DRAM and checked, with their backing id, kept by kvfs.fs) is answered
+       there at once, in passthrough mode, and a notice of it is queued for Python. Every
+       other request is queued as it came. pyfuse3 waits on an eventfd that is readable
+       while the queue is not empty (fuse_session_fd below) and takes requests from the
+       queue (fuse_session_receive_buf below, which hands Python the notices first).
+
+       Protocol (one mutex, kvfs_front_lock, guards the table, the queue and the spare
+       buffers):
+       - the front thread looks an inode up and queues the notice under the lock, and only
+         then replies; so a notice always precedes the RELEASE of the handle it announces;
+       - kvfs_hot_revoke removes an inode under the lock and then delivers every queued
+         notice: once it returns, no open of that inode can be answered here, and Python
+         knows every open that was. Python revokes before anything that would make a
+         passthrough read of the file wrong (its DRAM copies dropped or repacked, a write,
+         a truncation, its data freed). */
+    #include <pthread.h>
+    #include <signal.h>
+    #include <stdlib.h>
+    #include <sys/eventfd.h>
+
+    #define KVFS_BUFSIZE (256 * 4096 + 4096)  /* libfuse's: FUSE_MAX_MAX_PAGES + a header */
+    #define KVFS_FUSE_OPEN 14
+    #define KVFS_FAST_FH (1ULL << 48)         /* handles given out here start above this */
+    #define KVFS_HOT_SLOTS 32768              /* at most half of them used */
+    #define KVFS_SPARES 16
+
+    enum { KVFS_MSG_REQUEST, KVFS_MSG_OPENED, KVFS_MSG_UNSENT };
+
+    struct kvfs_in_header {
+        uint32_t len, opcode; uint64_t unique, nodeid;
+        uint32_t uid, gid, pid; uint16_t total_extlen, padding;
+    };
+    struct kvfs_open_in { uint32_t flags, open_flags; };
+
+    struct kvfs_msg {
+        struct kvfs_msg *next;
+        int kind;
+        char *mem; size_t size;                  /* KVFS_MSG_REQUEST */
+        uint64_t ino, fh; uint32_t flags, pid;   /* an open answered here (or not sent) */
+    };
+
+    static pthread_mutex_t kvfs_front_lock = PTHREAD_MUTEX_INITIALIZER;
+    static struct kvfs_msg *kvfs_q_head = NULL, *kvfs_q_tail = NULL;
+    static int kvfs_front_on = 0;
+    static int kvfs_front_end = 0;       /* the device said: this errno, no more requests */
+    static int kvfs_front_efd = -1;      /* readable while the queue is not empty */
+    static int kvfs_front_fd = -1;       /* the thread's own dup of the device */
+    static struct fuse_session *kvfs_front_se = NULL;
+    static char *kvfs_spare[KVFS_SPARES];
+    static int kvfs_nspare = 0;
+    static uint64_t kvfs_next_fh = KVFS_FAST_FH;
+    static PyObject *kvfs_opened_fn = NULL;
+    static uint64_t kvfs_hot_ino[KVFS_HOT_SLOTS];  /* 0: empty slot (linear probing) */
+    static int32_t kvfs_hot_id[KVFS_HOT_SLOTS];
+    static int kvfs_hot_n = 0;
+    static unsigned long long kvfs_fast_opens = 0;
+
+    static size_t kvfs_hot_home(uint64_t ino) {
+        return (size_t)((ino * 0x9E3779B97F4A7C15ULL) >> 49) & (KVFS_HOT_SLOTS - 1);
+    }
+
+    static size_t kvfs_hot_find(uint64_t ino) {
+        size_t i = kvfs_hot_home(ino);
+        while (kvfs_hot_ino[i] != 0 && kvfs_hot_ino[i] != ino)
+            i = (i + 1) & (KVFS_HOT_SLOTS - 1);
+        return i;
+    }
+
+    static void kvfs_hot_delete(uint64_t ino) {  /* with the lock; backward-shift deletion */
+        size_t i = kvfs_hot_find(ino), j = i;
+        if (kvfs_hot_ino[i] == 0)
+            return;
+        for (;;) {
+            j = (j + 1) & (KVFS_HOT_SLOTS - 1);
+            if (kvfs_hot_ino[j] == 0)
+                break;
+            size_t k = kvfs_hot_home(kvfs_hot_ino[j]);
+            /* the entry at j may move to the hole at i unless its home lies in (i, j] */
+            int stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
+            if (!stays) {
+                kvfs_hot_ino[i] = kvfs_hot_ino[j];
+                kvfs_hot_id[i] = kvfs_hot_id[j];
+                i = j;
+            }
+        }
+        kvfs_hot_ino[i] = 0;
+        kvfs_hot_n--;
+    }
+
+    static void kvfs_push(struct kvfs_msg *m) {  /* with the lock */
+        m->next = NULL;
+        if (kvfs_q_tail != NULL) {
+            kvfs_q_tail->next = m;
+        } else {
+            uint64_t one = 1;
+            kvfs_q_head = m;
+            if (write(kvfs_front_efd, &one, sizeof one) < 0) { /* cannot fail: counter <= 1 */ }
+        }
+        kvfs_q_tail = m;
+    }
+
+    static void kvfs_drained(void) {  /* with the lock: the queue became empty */
+        uint64_t n;
+        kvfs_q_tail = NULL;
+        if (!kvfs_front_end && read(kvfs_front_efd, &n, sizeof n) < 0) { /* was not set */ }
+    }
+
+    static struct kvfs_msg *kvfs_pop(void) {
+        pthread_mutex_lock(&kvfs_front_lock);
+        struct kvfs_msg *m = kvfs_q_head;
+        if (m != NULL && (kvfs_q_head = m->next) == NULL)
+            kvfs_drained();
+        pthread_mutex_unlock(&kvfs_front_lock);
+        return m;
+    }
+
+    static char *kvfs_buf_get(void) {
+        char *mem = NULL;
+        pthread_mutex_lock(&kvfs_front_lock);
+        if (kvfs_nspare > 0)
+            mem = kvfs_spare[--kvfs_nspare];
+        pthread_mutex_unlock(&kvfs_front_lock);
+        return mem != NULL ? mem : (char *)malloc(KVFS_BUFSIZE);
+    }
+
+    static void kvfs_buf_put(char *mem) {
+        pthread_mutex_lock(&kvfs_front_lock);
+        if (kvfs_nspare < KVFS_SPARES) {
+            kvfs_spare[kvfs_nspare++] = mem;
+            mem = NULL;
+        }
+        pthread_mutex_unlock(&kvfs_front_lock);
+        free(mem);
+    }
+
+    /* An OPEN for reading of an inode in the table: answered here. Returns 1 if it was. */
+    static int kvfs_fast_open(const char *mem, ssize_t n) {
+        const struct kvfs_in_header *h = (const struct kvfs_in_header *)mem;
+        if (h->opcode != KVFS_FUSE_OPEN
+                || (size_t)n < sizeof *h + sizeof(struct kvfs_open_in))
+            return 0;
+        const struct kvfs_open_in *in = (const struct kvfs_open_in *)(mem + sizeof *h);
+        if ((in->flags & O_ACCMODE) != O_RDONLY || (in->flags & (O_TRUNC | O_DIRECT)))
+            return 0;
+        struct kvfs_msg *m = (struct kvfs_msg *)calloc(1, sizeof *m);
+        if (m == NULL)
+            return 0;
+        pthread_mutex_lock(&kvfs_front_lock);
+        size_t i = kvfs_hot_find(h->nodeid);
+        if (kvfs_hot_ino[i] == 0) {
+            pthread_mutex_unlock(&kvfs_front_lock);
+            free(m);
+            return 0;
+        }
+        int32_t id = kvfs_hot_id[i];
+        uint64_t fh = kvfs_next_fh++;
+        m->kind = KVFS_MSG_OPENED;
+        m->ino = h->nodeid;
+        m->fh = fh;
+        m->flags = in->flags;
+        m->pid = h->pid;
+        kvfs_push(m);
+        kvfs_fast_opens++;
+        pthread_mutex_unlock(&kvfs_front_lock);
+
+        struct kvfs_out_header out = { sizeof out + sizeof(struct kvfs_open_out), 0, h->unique };
+        struct kvfs_open_out o = { fh, KVFS_FOPEN_PASSTHROUGH, id };
+        struct iovec iov[2] = { { &out, sizeof out }, { &o, sizeof o } };
+        if (writev(kvfs_front_fd, iov, 2) < 0) {
+            /* The opener is gone (interrupted): no RELEASE will come for fh. */
+            struct kvfs_msg *u = (struct kvfs_msg *)calloc(1, sizeof *u);
+            if (u != NULL) {
+                u->kind = KVFS_MSG_UNSENT;
+                u->ino = h->nodeid;
+                u->fh = fh;
+                pthread_mutex_lock(&kvfs_front_lock);
+                kvfs_push(u);
+                pthread_mutex_unlock(&kvfs_front_lock);
+            }
+        }
+        return 1;
+    }
+
+    static void *kvfs_front_main(void *arg) {
+        (void)arg;
+        char *mem = NULL;
+        int end = 0;
+        while (!end) {
+            if (mem == NULL && (mem = kvfs_buf_get()) == NULL) {
+                end = ENOMEM;
+                break;
+            }
+            ssize_t n = read(kvfs_front_fd, mem, KVFS_BUFSIZE);
+            if (n < 0) {
+                int err = errno;
+                if (err == EINTR || err == EAGAIN || err == ENOENT)
+                    continue;  /* ENOENT: that request was interrupted */
+                end = err;
+                break;
+            }
+            if (n < (ssize_t)sizeof(struct kvfs_in_header)) {
+                end = n == 0 ? ENODEV : EIO;
+                break;
+            }
+            if (kvfs_fast_open(mem, n))
+                continue;
+            struct kvfs_msg *m = (struct kvfs_msg *)calloc(1, sizeof *m);
+            if (m == NULL) {
+                end = ENOMEM;
+                break;
+            }
+            m->kind = KVFS_MSG_REQUEST;
+            m->mem = mem;
+            m->size = (size_t)n;
+            mem = NULL;
+            pthread_mutex_lock(&kvfs_front_lock);
+            kvfs_push(m);
+            pthread_mutex_unlock(&kvfs_front_lock);
+        }
+        free(mem);
+        pthread_mutex_lock(&kvfs_front_lock);
+        kvfs_front_end = end;
+        if (kvfs_q_head == NULL) {  /* stays readable from now on: every reader wakes */
+            uint64_t one = 1;
+            if (write(kvfs_front_efd, &one, sizeof one) < 0) { /* nothing to do */ }
+        }
+        pthread_mutex_unlock(&kvfs_front_lock);
+        close(kvfs_front_fd);
+        return NULL;
+    }
+
+    /* Started by fuse_session_mount; -errno if the thread cannot run (then all is as
+       before: pyfuse3 reads the device itself). */
+    static int kvfs_front_start(struct fuse_session *se, int dev_fd) {
+        pthread_t t;
+        pthread_attr_t attr;
+        sigset_t all, old;
+        int efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+        if (efd < 0)
+            return -errno;
+        int fd = fcntl(dev_fd, F_DUPFD_CLOEXEC, 0);
+        if (fd < 0) {
+            int err = errno;
+            close(efd);
+            return -err;
+        }
+        kvfs_front_efd = efd;
+        kvfs_front_fd = fd;
+        kvfs_front_se = se;
+        kvfs_front_end = 0;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        sigfillset(&all);
+        pthread_sigmask(SIG_BLOCK, &all, &old);  /* signals stay with Python's thread */
+        int r = pthread_create(&t, &attr, kvfs_front_main, NULL);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        pthread_attr_destroy(&attr);
+        if (r != 0) {
+            close(fd);
+            close(efd);
+            kvfs_front_efd = kvfs_front_fd = -1;
+            kvfs_front_se = NULL;
+            return -r;
+        }
+        kvfs_front_on = 1;
+        return 0;
+    }
+
+    typedef int (*kvfs_session_fd_t)(struct fuse_session *);
+
+    int fuse_session_fd(struct fuse_session *se) {
+        static kvfs_session_fd_t real = NULL;
+        if (real == NULL)
+            real = (kvfs_session_fd_t)kvfs_next("fuse_session_fd");
+        if (kvfs_front_on && se == kvfs_front_se)
+            return kvfs_front_efd;  /* what pyfuse3 waits on */
+        return real(se);
+    }
+
+    static void kvfs_deliver(struct kvfs_msg *m) {  /* without the lock, on Python's thread */
+        if (kvfs_opened_fn != NULL) {
+            PyGILState_STATE gil = PyGILState_Ensure();
+            PyObject *r = PyObject_CallFunction(kvfs_opened_fn, "KKIIi",
+                (unsigned long long)m->ino, (unsigned long long)m->fh,
+                (unsigned int)m->flags, (unsigned int)m->pid,
+                m->kind == KVFS_MSG_OPENED ? 1 : 0);
+            if (r == NULL)
+                PyErr_WriteUnraisable(kvfs_opened_fn);
+            else
+                Py_DECREF(r);
+            PyGILState_Release(gil);
+        }
+        free(m);
+    }
+
+    typedef int (*kvfs_receive_t)(struct fuse_session *, struct fuse_buf *);
+
+    int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf) {
+        static kvfs_receive_t real = NULL;
+        if (real == NULL)
+            real = (kvfs_receive_t)kvfs_next("fuse_session_receive_buf");
+        if (!kvfs_front_on || se != kvfs_front_se)
+            return real(se, buf);
+        for (;;) {
+            struct kvfs_msg *m = kvfs_pop();
+            if (m == NULL) {
+                if (!kvfs_front_end)
+                    return -EINTR;  /* pyfuse3 waits for the eventfd again */
+                fuse_session_exit(se);
+                return kvfs_front_end == ENODEV ? 0 : -kvfs_front_end;
+            }
+            if (m->kind != KVFS_MSG_REQUEST) {
+                kvfs_deliver(m);
+                continue;
+            }
+            /* The request's buffer becomes the caller's; the one it held is ours again
+               (every buffer handed out is one of ours: libfuse's receive is not called). */
+            if (buf->mem != NULL && !(buf->flags & FUSE_BUF_IS_FD))
+                kvfs_buf_put((char *)buf->mem);
+            buf->mem = m->mem;
+            buf->size = m->size;
+            buf->flags = 0;
+            buf->pos = 0;
+            buf->fd = -1;
+            int n = (int)m->size;
+            free(m);
+            return n;
+        }
+    }
+
+    /* Python's view after this: no open of *ino* is answered here any more, and every one
+       that was has been delivered (with every other queued notice). */
+    static void kvfs_hot_revoke(uint64_t ino) {
+        struct kvfs_msg *notices = NULL, **tail = &notices;
+        pthread_mutex_lock(&kvfs_front_lock);
+        kvfs_hot_delete(ino);
+        struct kvfs_msg **p = &kvfs_q_head, *prev = NULL;
+        while (*p != NULL) {
+            struct kvfs_msg *m = *p;
+            if (m->kind == KVFS_MSG_REQUEST) {
+                prev = m;
+                p = &m->next;
+                continue;
+            }
+            *p = m->next;
+            m->next = NULL;
+            *tail = m;
+            tail = &m->next;
+        }
+        if (kvfs_q_head == NULL) {
+            if (notices != NULL)
+                kvfs_drained();
+        } else {
+            kvfs_q_tail = prev;
+        }
+        pthread_mutex_unlock(&kvfs_front_lock);
+        while (notices != NULL) {
+            struct kvfs_msg *m = notices;
+            notices = m->next;
+            kvfs_deliver(m);
+        }
+    }
+
+    static int kvfs_hot_add(uint64_t ino, int32_t id) {
+        int added = 0;
+        if (ino == 0 || !kvfs_front_on)
+            return 0;
+        pthread_mutex_lock(&kvfs_front_lock);
+        size_t i = kvfs_hot_find(ino);
+        if (kvfs_hot_ino[i] == 0 && kvfs_hot_n < KVFS_HOT_SLOTS / 2) {
+            kvfs_hot_ino[i] = ino;
+            kvfs_hot_id[i] = id;
+            kvfs_hot_n++;
+            added = 1;
+        }
+        pthread_mutex_unlock(&kvfs_front_lock);
+        return added;
+    }
+
+    static unsigned long long kvfs_get_fast_opens(void) {
+        pthread_mutex_lock(&kvfs_front_lock);
+        unsigned long long n = kvfs_fast_opens;
+        pthread_mutex_unlock(&kvfs_front_lock);
+        return n;
+    }
+
+    static void kvfs_set_opened_handler(PyObject *fn) {
+        Py_XINCREF(fn);
+        Py_XDECREF(kvfs_opened_fn);
+        kvfs_opened_fn = fn;
+    }
     """
     int kvfs_shim_active
     int kvfs_pt_wanted
@@ -430,6 +829,12 @@ cdef extern from *:
     void kvfs_pt_mark(unsigned long long fh, int id, int direct)
     void kvfs_set_handler(object fn)
     void kvfs_set_write_handlers(object plan, object done)
+    int kvfs_front_wanted
+    int kvfs_front_on
+    int kvfs_hot_add(unsigned long long ino, int id)
+    void kvfs_hot_revoke(unsigned long long ino)
+    unsigned long long kvfs_get_fast_opens()
+    void kvfs_set_opened_handler(object fn)
 
 
 def set_fallocate_handler(handler) -> None:
@@ -489,3 +894,40 @@ def set_no_capabilities(bint none) -> None:
     ENODATA without asking Python (it comes before the first passthrough write to a file)."""
     global kvfs_no_caps
     kvfs_no_caps = 1 if none else 0
+
+
+def want_front_thread(bint on) -> None:
+    """Read the FUSE device on a thread of this module's own from the next mount on (call
+    before pyfuse3.init): opens of inodes in the fast-open table are then answered there."""
+    global kvfs_front_wanted
+    kvfs_front_wanted = 1 if on else 0
+
+
+def front_thread() -> bool:
+    """True once the mount's requests are read by the front thread."""
+    return kvfs_front_on != 0
+
+
+def set_opened_handler(handler) -> None:
+    """handler(ino, fh, flags, pid, sent): an OPEN was answered by the front thread with
+    handle *fh* (sent False: the reply did not reach the kernel, which will not release
+    *fh*). Runs on the FUSE thread with the GIL held, in the order of the requests around
+    it, or earlier from `hot_revoke`; must not block or raise."""
+    kvfs_set_opened_handler(handler)
+
+
+def hot_add(unsigned long long ino, int backing_id) -> bool:
+    """Let the front thread answer read-only opens of *ino* with *backing_id* until
+    `hot_revoke`. False if the table is full or the front thread is not running."""
+    return kvfs_hot_add(ino, backing_id) != 0
+
+
+def hot_revoke(unsigned long long ino) -> None:
+    """No more opens of *ino* are answered by the front thread; those it answered are
+    delivered to the opened handler before this returns."""
+    kvfs_hot_revoke(ino)
+
+
+def fast_opens() -> int:
+    """Opens answered by the front thread since the module was loaded."""
+    return kvfs_get_fast_opens()

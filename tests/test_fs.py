@@ -444,6 +444,186 @@ def test_a_file_in_passthrough_mode_keeps_its_dram_copies(kv):
     assert (kv.path / "held").read_bytes() == data
 
 
+# -- opens answered by the front thread (kvfs._fuseshim), without the trio thread ---------
+def _fast(m) -> tuple[int, int]:
+    pt = m.status()["passthrough"]
+    return pt["fast_opens"], pt["fast_open_files"]
+
+
+def test_reopens_of_a_resident_file_are_answered_by_the_front_thread(mount_factory):
+    """The first passthrough open of a file finds it ready (checked, all in DRAM); later
+    read-only opens are answered by the front thread, count as opens and DRAM reads all
+    the same, and hold the file's DRAM copies while open. Writers, O_DIRECT and O_TRUNC
+    opens still go to the daemon. With -o nofast_open, none is answered there."""
+    m = mount_factory()
+    data = os.urandom(200_000)
+    (m.path / "r").write_bytes(data)
+    assert (m.path / "r").read_bytes() == data
+    fast, files = _fast(m)
+    assert files == 1
+    before = m.status()
+    for _ in range(5):
+        assert (m.path / "r").read_bytes() == data
+    after = m.status()
+    assert _fast(m) == (fast + 5, 1)
+    assert after["passthrough"]["opens"] == before["passthrough"]["opens"] + 5
+    assert after["reads"]["chunks_from_dram"] == before["reads"]["chunks_from_dram"] + 20
+    with open(m.path / "r", "rb") as f:
+        assert m.status()["passthrough"]["open_files"] == 1
+        for i in range(40):  # 10 MiB of new writes through a 4 MiB tier
+            (m.path / f"w{i}").write_bytes(os.urandom(256 << 10))
+        assert m.tiers("r") == {"dram"}
+        assert f.read() == data
+    fast += 6
+    assert _fast(m)[0] == fast
+    fd = os.open(m.path / "r", os.O_RDONLY | os.O_DIRECT)
+    os.close(fd)
+    with open(m.path / "r", "r+b") as f:
+        assert f.read(10) == data[:10]
+    assert _fast(m)[0] == fast
+    # Files the kernel wrote straight into DRAM are offered once taken: their first open
+    # for reading is answered by the front thread too.
+    (m.path / "s").mkdir()
+    blobs = [os.urandom(100_000) for _ in range(12)]
+    for i, blob in enumerate(blobs):
+        (m.path / "s" / str(i)).write_bytes(blob)
+    time.sleep(0.5)  # the takes run when the daemon is idle
+    for i, blob in enumerate(blobs):
+        assert (m.path / "s" / str(i)).read_bytes() == blob
+    assert _fast(m)[0] >= fast + 8
+    m.unmount()
+    m.start(fast_open="0")
+    for _ in range(3):
+        assert (m.path / "r").read_bytes() == data
+    assert _fast(m) == (0, 0)
+
+
+def test_a_file_changed_after_its_fast_opens_reads_the_new_bytes(mount_factory):
+    """Whatever changes a file through the daemon takes it out of the front thread's table
+    first: a write, a truncation down or up, an O_TRUNC open, a rename over it, an unlink
+    (a file opened there before stays readable to its last close), its DRAM copies
+    pushed out to NVMe. Every read after returns the file as it is now."""
+    m = mount_factory()
+    p = m.path / "f"
+
+    def make_hot(data: bytes) -> None:
+        assert p.read_bytes() == data
+        assert p.read_bytes() == data  # answered by the front thread
+        assert m.status()["passthrough"]["fast_open_files"] >= 1
+
+    data = bytearray(os.urandom(150_000))
+    p.write_bytes(data)
+    make_hot(bytes(data))
+    with open(p, "r+b") as f:
+        f.seek(100_000)
+        f.write(b"NEW")
+    data[100_000:100_003] = b"NEW"
+    assert p.read_bytes() == data
+    make_hot(bytes(data))
+    os.truncate(p, 1000)
+    assert p.read_bytes() == data[:1000]
+    make_hot(bytes(data[:1000]))
+    os.truncate(p, 70_000)
+    assert p.read_bytes() == bytes(data[:1000]) + bytes(69_000)
+    make_hot(bytes(data[:1000]) + bytes(69_000))
+    with open(p, "wb") as f:  # O_TRUNC
+        f.write(b"short")
+    assert p.read_bytes() == b"short"
+    make_hot(b"short")
+    new = os.urandom(90_000)
+    (m.path / "tmp").write_bytes(new)
+    os.replace(m.path / "tmp", p)
+    assert p.read_bytes() == new
+    make_hot(new)
+    held = open(p, "rb")  # a fast open
+    os.unlink(p)
+    assert not p.exists()
+    assert held.read() == new
+    held.close()
+    assert _err(os.open, p, os.O_RDONLY) == errno.ENOENT
+    files = {f"h{i}": os.urandom(256 << 10) for i in range(4)}
+    for name, blob in files.items():
+        (m.path / name).write_bytes(blob)
+        for _ in range(2):
+            assert (m.path / name).read_bytes() == blob
+    for i in range(40):  # 10 MiB of files read again (reused: they compete) through 4 MiB
+        blob = os.urandom(256 << 10)
+        (m.path / f"w{i}").write_bytes(blob)
+        for _ in range(2):
+            assert (m.path / f"w{i}").read_bytes() == blob
+    assert any(m.tiers(name) == {"nvme"} for name in files)
+    for name, blob in files.items():
+        for _ in range(2):
+            assert (m.path / name).read_bytes() == blob, name
+    m.unmount()
+    r = subprocess.run([sys.executable, "-m", "kvfs.cli.fsck", str(m.nvme_dir), "--dram-dir",
+                        str(m.dram_dir)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_fast_opens_racing_replacement_and_demotion_read_whole_versions(mount_factory):
+    """Readers keep opening resident files (most opens answered by the front thread) while
+    another thread replaces them with new versions (os.replace) and a third pushes
+    everything towards NVMe with new files. Every read is one whole version of its file:
+    never a mix, a short read or another file's bytes."""
+    m = mount_factory(dram_size="8M")
+    names = [f"v{i}" for i in range(6)]
+    size = 192 << 10
+
+    def version(name: str, n: int) -> bytes:
+        return f"{name}:{n:012d};".encode() * (size // 16)  # 16 bytes repeated
+
+    for name in names:
+        (m.path / name).write_bytes(version(name, 0))
+    stop = threading.Event()
+    errors: list[str] = []
+    reads = [0]
+
+    def reader() -> None:
+        while not stop.is_set():
+            for name in names:
+                try:
+                    got = (m.path / name).read_bytes()
+                except FileNotFoundError:
+                    continue
+                reads[0] += 1
+                head = got[:16]
+                if (len(got) != size or not head.startswith(name.encode() + b":")
+                        or got != head * (size // 16)):
+                    errors.append(f"{name}: {len(got)} bytes, starts {got[:20]!r}")
+
+    def replacer() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            for name in names:
+                tmp = m.path / f".{name}.tmp"
+                tmp.write_bytes(version(name, n))
+                os.replace(tmp, m.path / name)
+            time.sleep(0.01)
+
+    def flooder() -> None:
+        i = 0
+        while not stop.is_set():
+            (m.path / f"flood{i % 64}").write_bytes(os.urandom(256 << 10))
+            i += 1
+
+    threads = [threading.Thread(target=f) for f in (reader, reader, replacer, flooder)]
+    for t in threads:
+        t.start()
+    time.sleep(4)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:5]
+    assert reads[0] > 100
+    assert _fast(m)[0] > 0
+    m.unmount()
+    r = subprocess.run([sys.executable, "-m", "kvfs.cli.fsck", str(m.nvme_dir), "--dram-dir",
+                        str(m.dram_dir)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 # -- FUSE passthrough writers: new files the kernel writes straight into their DRAM file -----
 def _stream_opens(m) -> int:
     return m.status()["passthrough"]["write_opens"]

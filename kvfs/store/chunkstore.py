@@ -298,6 +298,13 @@ class ChunkStore:
         # Files open in passthrough mode -> DRAM bytes they held when first opened.
         self._pinned: dict[int, int] = {}
         self.pinned_bytes = 0
+        # revoke(ino): called before a file's DRAM copies are dropped or repacked, so that
+        # opens of it answered without the daemon (kvfs.fs, the front thread) are pins by
+        # then. Set by the assembly.
+        self.revoke: Callable[[int], None] = lambda ino: None
+        # staged(ino): a prefetch brought a chunk of *ino* into DRAM, checked (the file may be
+        # wholly resident now: kvfs.fs offers it to the front thread). Set by the assembly.
+        self.staged: Callable[[int], None] = lambda ino: None
         # Chunks written over in DRAM -> the NVMe-only location of their last written-back
         # bytes, until the new ones are written back (`_shadow`).
         self.shadows: dict[tuple[int, int], Loc] = {}
@@ -1049,6 +1056,7 @@ class ChunkStore:
         self.prefetched.add(key)
         if not now.flags & PACKED:  # fetch checked the bytes it staged: the next read
             self.dram.mark_checked(ino, c, now.seq)  # counts as checked (dram_verify=open)
+            self.staged(ino)
         if self.dram_used > self.high_water:
             self.kick_demoter()  # the demoter makes room in bulk, in eviction order
         return True
@@ -1304,6 +1312,20 @@ class ChunkStore:
         for _ in range(fetched):
             self._record_latency(t0, self.counters.read_latency_nvme_us)
         return fetched
+
+    def passthrough_fd(self, ino: int, size: int) -> int | None:
+        """The DRAM file of *ino*, at the file's size, if a passthrough open would find it
+        ready now with nothing left to check (every chunk in DRAM, raw, checked since it
+        last changed); else None. Synchronous: `passthrough_ready` without the hashing."""
+        if size <= 0:
+            return None
+        for c in self.index.chunks_of(ino, self._nchunks(size)):
+            loc = self.get(ino, c)
+            if (loc.dram_slot < 0 or loc.flags & (PACKED | LOST | TAIL_LOST)
+                    or (ino, c) in self._fetching
+                    or self._check_needed(ino, c, loc, consume=False)):
+                return None
+        return self.dram.extend(ino, size)
 
     def pin_passthrough(self, ino: int, size: int, reads: bool = True,
                         from_nvme: int = 0) -> int:
@@ -1790,6 +1812,9 @@ class ChunkStore:
             for job in todo:
                 self.nvme.mark_dead(job.seg.seg_id, job.rec_len)
             raise
+        if drop or (pack and self.dram_compress):
+            for ino in {job.ino for job in todo}:
+                self.revoke(ino)  # its opens answered by the front thread are pins now
         packing: list[_Job] = []
         with self.meta.write() as txn:
             for job in todo:
@@ -1934,6 +1959,7 @@ class ChunkStore:
         if loc is None or loc.dram_slot < 0:
             self.policy.removed(key)
             return
+        self.revoke(key[0])
         if not loc.seg or (key[0] in self.dram.pins and not loc.flags & PACKED):
             return
         with self.meta.write() as txn:
