@@ -235,7 +235,7 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         os.close(lock)
         return 1
     if shim is not None and shim.front_thread() and s.dram_verify != "open":
-        asm.ops.fast_open = True  # (dram_verify=open: every open checks the file again)
+        asm.ops.front = shim  # (dram_verify=open: every open checks the file again)
     log.info("mounted %s (DRAM %s in %s, NVMe %s in %s, chunk %s, fallocate %s)",
              s.mountpoint, format_size(s.dram_size), s.dram_dir, format_size(s.nvme_size),
              s.nvme_dir, format_size(asm.store.cs),

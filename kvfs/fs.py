@@ -151,8 +151,8 @@ class Operations(pyfuse3.Operations):
         self._take_wakeup = trio.Event()
         self.stream_policy = StreamingPolicy()
         # Files whose read-only opens the shim's front thread answers (see "Opens answered
-        # by the front thread"); empty unless `fast_open` was set by the daemon.
-        self.fast_open = False
+        # by the front thread"); *front* is the shim when the daemon runs that thread.
+        self.front = None
         self.hot: set[int] = set()
         self.fast_opens = 0
 
@@ -409,7 +409,9 @@ class Operations(pyfuse3.Operations):
         except OSError as exc:
             log.warning("FUSE passthrough unavailable (%s): every read and write goes through "
                         "the daemon", exc)
-            self.shim = None
+            for ino in list(self.hot):
+                self.revoke(ino)
+            self.front = self.shim = None
             return None
 
     def _end_passthrough(self, h: Handle) -> None:
@@ -447,8 +449,8 @@ class Operations(pyfuse3.Operations):
         file a passthrough open would find ready: *ready*, it was just found so (an open,
         with no await since); else it is checked here (just taken, or staged)."""
         ino = node.ino
-        if (not self.fast_open or ino in self.hot or not node.is_reg or node.nlink == 0
-                or ino in self.writers or ino in self._pending_takes
+        if (self.front is None or self.shim is None or ino in self.hot or not node.is_reg
+                or node.nlink == 0 or ino in self.writers or ino in self._pending_takes
                 or node.size > FAST_OPEN_MAX_CHUNKS * self.store.cs
                 or self.store.reads_through(ino, node.size)):
             return
@@ -462,7 +464,7 @@ class Operations(pyfuse3.Operations):
                 if backing_id is None:
                     return
                 b = self.backing[ino] = [backing_id, 0]
-        if self.shim.hot_add(ino, b[0]):
+        if self.front.hot_add(ino, b[0]):
             self.hot.add(ino)
             b[1] += 1
         elif not b[1]:  # opened above for nothing
@@ -480,7 +482,7 @@ class Operations(pyfuse3.Operations):
         """The front thread answers no more opens of *ino*; those it did are handles now."""
         if ino in self.hot:
             self.hot.discard(ino)
-            self.shim.hot_revoke(ino)  # calls fast_opened for each notice still queued
+            self.front.hot_revoke(ino)  # calls fast_opened for each notice still queued
             self._unback(ino)
 
     def fast_opened(self, ino: int, fh: int, flags: int, pid: int, sent: bool) -> None:

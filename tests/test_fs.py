@@ -496,6 +496,11 @@ def test_reopens_of_a_resident_file_are_answered_by_the_front_thread(mount_facto
     for _ in range(3):
         assert (m.path / "r").read_bytes() == data
     assert _fast(m) == (0, 0)
+    m.unmount()
+    m.start(dram_verify="open")  # every open checks the file again: none skips the daemon
+    for _ in range(3):
+        assert (m.path / "r").read_bytes() == data
+    assert _fast(m) == (0, 0)
 
 
 def test_a_file_changed_after_its_fast_opens_reads_the_new_bytes(mount_factory):
