@@ -443,6 +443,7 @@ cdef extern from *:
          knows every open that was. Python revokes before anything that would make a
          passthrough read of the file wrong (its DRAM copies dropped or repacked, a write,
          a truncation, its data freed). */
+    #include <poll.h>
     #include <pthread.h>
     #include <signal.h>
     #include <stdlib.h>
@@ -639,7 +640,15 @@ cdef extern from *:
             ssize_t n = read(kvfs_front_fd, mem, KVFS_BUFSIZE);
             if (n < 0) {
                 int err = errno;
-                if (err == EINTR || err == EAGAIN || err == ENOENT)
+                if (err == EAGAIN) {  /* a non-blocking descriptor after all: wait, not spin */
+                    struct pollfd p = { kvfs_front_fd, POLLIN, 0 };
+                    if (poll(&p, 1, -1) < 0 && errno != EINTR) {
+                        end = errno;
+                        break;
+                    }
+                    continue;
+                }
+                if (err == EINTR || err == ENOENT)
                     continue;  /* ENOENT: that request was interrupted */
                 end = err;
                 break;
