@@ -476,6 +476,9 @@ def test_reopens_of_a_resident_file_are_answered_by_the_front_thread(mount_facto
         assert f.read() == data
     fast += 6
     assert _fast(m)[0] == fast
+    r = subprocess.run([sys.executable, "-m", "kvfs.cli.ctl", "status", str(m.path)],
+                       capture_output=True, text=True)
+    assert f"{fast} of them answered by the front thread" in r.stdout, r.stdout + r.stderr
     fd = os.open(m.path / "r", os.O_RDONLY | os.O_DIRECT)
     os.close(fd)
     with open(m.path / "r", "r+b") as f:

@@ -65,6 +65,11 @@ def print_status(st: dict) -> None:
            for name in ("dram", "nvme") if f"{name}_latency_us_log2_histogram" in r]
     if lat:
         print(f"read latency (us, log2 buckets): {', '.join(lat)}")
+    pt = st.get("passthrough")
+    if pt and pt.get("opens"):
+        print(f"passthrough: {pt['opens']} opens read by the kernel from DRAM files, "
+              f"{pt.get('fast_opens', 0)} of them answered by the front thread "
+              f"({pt.get('fast_open_files', 0)} files ready for it)")
     if r.get("read_ahead_chunks"):
         print(f"read-through files: {r['read_ahead_chunks']} NVMe chunks read ahead into "
               f"memory, {r.get('read_ahead_used_chunks', 0)} of them read")
