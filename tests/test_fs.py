@@ -456,16 +456,27 @@ def test_reopens_of_a_resident_file_are_answered_by_the_front_thread(mount_facto
     the same, and hold the file's DRAM copies while open. Writers, O_DIRECT and O_TRUNC
     opens still go to the daemon. With -o nofast_open, none is answered there."""
     m = mount_factory()
+    # Files the kernel wrote straight into DRAM are offered once taken: their first open
+    # for reading is answered by the front thread too (while DRAM has room: nothing is
+    # demoted, so none leaves the table before it is read).
+    (m.path / "s").mkdir()
+    blobs = [os.urandom(100_000) for _ in range(12)]
+    for i, blob in enumerate(blobs):
+        (m.path / "s" / str(i)).write_bytes(blob)
+    time.sleep(0.5)  # the takes run when the daemon is idle
+    for i, blob in enumerate(blobs):
+        assert (m.path / "s" / str(i)).read_bytes() == blob
+    assert _fast(m)[0] >= 8
     data = os.urandom(200_000)
     (m.path / "r").write_bytes(data)
     assert (m.path / "r").read_bytes() == data
     fast, files = _fast(m)
-    assert files == 1
+    assert files >= 1
     before = m.status()
     for _ in range(5):
         assert (m.path / "r").read_bytes() == data
     after = m.status()
-    assert _fast(m) == (fast + 5, 1)
+    assert _fast(m) == (fast + 5, files)
     assert after["passthrough"]["opens"] == before["passthrough"]["opens"] + 5
     assert after["reads"]["chunks_from_dram"] == before["reads"]["chunks_from_dram"] + 20
     with open(m.path / "r", "rb") as f:
@@ -484,16 +495,6 @@ def test_reopens_of_a_resident_file_are_answered_by_the_front_thread(mount_facto
     with open(m.path / "r", "r+b") as f:
         assert f.read(10) == data[:10]
     assert _fast(m)[0] == fast
-    # Files the kernel wrote straight into DRAM are offered once taken: their first open
-    # for reading is answered by the front thread too.
-    (m.path / "s").mkdir()
-    blobs = [os.urandom(100_000) for _ in range(12)]
-    for i, blob in enumerate(blobs):
-        (m.path / "s" / str(i)).write_bytes(blob)
-    time.sleep(0.5)  # the takes run when the daemon is idle
-    for i, blob in enumerate(blobs):
-        assert (m.path / "s" / str(i)).read_bytes() == blob
-    assert _fast(m)[0] >= fast + 8
     m.unmount()
     m.start(fast_open="0")
     for _ in range(3):
