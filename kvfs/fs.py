@@ -330,11 +330,8 @@ class Operations(pyfuse3.Operations):
         """A new handle; *mode* (backing id, direct, streams) from `_passthrough_mode` marks
         its open reply for passthrough."""
         fh = next(self._fh)
-        self.handles[fh] = Handle(inode.ino, flags, pid, backed=mode is not None,
-                                  streams=mode is not None and mode[2])
-        inode.opens += 1
-        if self.evictor is not None:
-            self.evictor.touch(inode.ino)
+        self._add_handle(fh, inode, Handle(inode.ino, flags, pid, backed=mode is not None,
+                                           streams=mode is not None and mode[2]))
         if mode is not None:
             self.shim.mark_passthrough(fh, mode[0], mode[1])
         # direct_io: every read and write reaches kvfs in requests of up to 1 MiB (twice the
@@ -342,6 +339,12 @@ class Operations(pyfuse3.Operations):
         # stale copy. mmap(MAP_PRIVATE) still works through the page cache. (A passthrough
         # open without direct_io is read by the kernel from the DRAM file instead.)
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+
+    def _add_handle(self, fh: int, inode: Inode, h: Handle) -> None:
+        self.handles[fh] = h
+        inode.opens += 1
+        if self.evictor is not None:
+            self.evictor.touch(inode.ino)
 
     async def _passthrough_mode(self, node: Inode, flags: int) -> tuple[int, bool, bool] | None:
         """(backing id, direct_io, streams) for a new open of *node*, or None for an ordinary
@@ -498,10 +501,7 @@ class Operations(pyfuse3.Operations):
             self.readahead.opened(ino, flags, node.size, pid)
             self.store.pin_passthrough(ino, node.size)
             self.backing[ino][1] += 1
-            self.handles[fh] = Handle(ino, flags, pid, backed=True)
-            node.opens += 1
-            if self.evictor is not None:
-                self.evictor.touch(ino)
+            self._add_handle(fh, node, Handle(ino, flags, pid, backed=True))
             self.readahead.read(ino, 0, node.size, pid)
             self.fast_opens += 1
         except Exception:

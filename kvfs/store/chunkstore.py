@@ -1247,13 +1247,9 @@ class ChunkStore:
         open verifies what a handle's reads would), and the pinned files stay within
         PASSTHROUGH_SHARE of the tier. True means: pin it now (`pin_passthrough`), with no
         await in between."""
-        locs = []
-        for c in self.index.chunks_of(ino, self._nchunks(size)):
-            loc = self.get(ino, c)
-            if (loc.dram_slot < 0 or loc.flags & (PACKED | LOST | TAIL_LOST)
-                    or (ino, c) in self._fetching):
-                return False  # (a lost tail must read as EIO, which only we can say)
-            locs.append((c, loc))
+        locs = self._raw_in_dram(ino, size)
+        if locs is None:
+            return False
         need = sum(pages(loc.raw_len) for _, loc in locs)
         if (ino not in self.dram.pins
                 and self.pinned_bytes + need > PASSTHROUGH_SHARE * self.dram.capacity):
@@ -1317,15 +1313,23 @@ class ChunkStore:
         """The DRAM file of *ino*, at the file's size, if a passthrough open would find it
         ready now with nothing left to check (every chunk in DRAM, raw, checked since it
         last changed); else None. Synchronous: `passthrough_ready` without the hashing."""
-        if size <= 0:
+        locs = self._raw_in_dram(ino, size) if size > 0 else None
+        if locs is None or any(self._check_needed(ino, c, loc, consume=False)
+                               for c, loc in locs):
             return None
+        return self.dram.extend(ino, size)
+
+    def _raw_in_dram(self, ino: int, size: int) -> list[tuple[int, Loc]] | None:
+        """Every chunk of the file with its location, if all are raw DRAM copies that no
+        fetch is filling; else None (a lost tail must read as EIO, which only we can say)."""
+        locs = []
         for c in self.index.chunks_of(ino, self._nchunks(size)):
             loc = self.get(ino, c)
             if (loc.dram_slot < 0 or loc.flags & (PACKED | LOST | TAIL_LOST)
-                    or (ino, c) in self._fetching
-                    or self._check_needed(ino, c, loc, consume=False)):
+                    or (ino, c) in self._fetching):
                 return None
-        return self.dram.extend(ino, size)
+            locs.append((c, loc))
+        return locs
 
     def pin_passthrough(self, ino: int, size: int, reads: bool = True,
                         from_nvme: int = 0) -> int:
