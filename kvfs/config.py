@@ -12,6 +12,9 @@ import re
 from dataclasses import dataclass, field
 
 DEFAULT_DRAM_DIR = "/dev/shm/kvfs"
+# The front thread's table of files whose opens it answers (native/_fuseshim.pyx) holds this
+# many at most.
+FAST_OPEN_FILES_MAX = 16384
 DEFAULT_NVME_DIR = "/var/lib/kvfs"
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
@@ -100,6 +103,9 @@ class Settings:
     # open for reading of a file still as a passthrough open found it (every chunk in DRAM
     # and checked) at once, instead of queueing it behind the daemon's other work.
     fast_open: bool = True
+    # At most this many files are in the front thread's table at once (each holds a kernel
+    # reference to its DRAM file); when it is full, the file opened least recently leaves it.
+    fast_open_files: int = FAST_OPEN_FILES_MAX
     # When DRAM copies are checked against their checksums (a passthrough open checks the
     # whole file for the reads the kernel will serve without us):
     # "once": bytes are checked as they enter DRAM (staged NVMe reads checked, written
@@ -175,6 +181,9 @@ class Settings:
         if s.dram_verify not in ("once", "open", "ingest"):
             raise ConfigError(f"dram_verify must be once, open or ingest, "
                               f"not {s.dram_verify!r}")
+        if not 1 <= s.fast_open_files <= FAST_OPEN_FILES_MAX:
+            raise ConfigError(f"fast_open_files must be between 1 and {FAST_OPEN_FILES_MAX}, "
+                              f"not {s.fast_open_files}")
         if not 1 <= s.streams <= 5:
             raise ConfigError(f"streams must be between 1 and 5, not {s.streams}")
         s.dram_dir = os.path.abspath(self.dram_dir)
@@ -186,7 +195,8 @@ _BOOL_OPTIONS = {"cache_mode", "foreground", "debug", "allow_other", "compress",
                  "dram_prefault", "dram_compress", "passthrough", "dram_huge",
                  "fast_open"}
 _FLOAT_OPTIONS = {"dram_high_watermark", "dram_low_watermark"}
-_INT_OPTIONS = {"io_threads", "readahead_chunks", "streams", "prefetch_concurrency"}
+_INT_OPTIONS = {"io_threads", "readahead_chunks", "streams", "prefetch_concurrency",
+                "fast_open_files"}
 # Generic mount options that mount(8) passes along and kvfs has nothing to do with.
 IGNORED_MOUNT_OPTIONS = {"rw", "defaults", "auto", "noauto", "user", "nouser", "nofail", "_netdev",
                          "dev", "nodev", "suid", "nosuid", "exec", "noexec", "atime", "noatime",

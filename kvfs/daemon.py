@@ -217,6 +217,7 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         shim.want_passthrough(s.passthrough)
         shim.want_front_thread(s.passthrough and s.fast_open)
         shim.set_opened_handler(asm.ops.fast_opened)
+        asm.ops.hot_capacity = shim.hot_limit(s.fast_open_files)
         if s.passthrough:
             asm.ops.shim = shim
         shim.set_no_capabilities(not asm.ns.security_xattrs)

@@ -45,6 +45,7 @@ import logging
 import os
 import stat
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -52,6 +53,7 @@ import pyfuse3
 import trio
 import trio.testing
 
+from kvfs.config import FAST_OPEN_FILES_MAX
 from kvfs.namespace import Inode, Namespace, NamespaceError
 from kvfs.store.chunkstore import ChunkError, ChunkStore, NoSpace
 from kvfs.tiering import StreamingPolicy
@@ -153,7 +155,10 @@ class Operations(pyfuse3.Operations):
         # Files whose read-only opens the shim's front thread answers (see "Opens answered
         # by the front thread"); *front* is the shim when the daemon runs that thread.
         self.front = None
-        self.hot: set[int] = set()
+        # The files in that table, the one opened least recently first: when the table is
+        # full, it makes room for a file just found ready.
+        self.hot: OrderedDict[int, None] = OrderedDict()
+        self.hot_capacity = FAST_OPEN_FILES_MAX
         self.fast_opens = 0
 
     # -- helpers ---------------------------------------------------------------------------
@@ -467,8 +472,10 @@ class Operations(pyfuse3.Operations):
                 if backing_id is None:
                     return
                 b = self.backing[ino] = [backing_id, 0]
+        if len(self.hot) >= self.hot_capacity:
+            self.revoke(next(iter(self.hot)))
         if self.front.hot_add(ino, b[0]):
-            self.hot.add(ino)
+            self.hot[ino] = None
             b[1] += 1
         elif not b[1]:  # opened above for nothing
             del self.backing[ino]
@@ -484,7 +491,7 @@ class Operations(pyfuse3.Operations):
     def revoke(self, ino: int) -> None:
         """The front thread answers no more opens of *ino*; those it did are handles now."""
         if ino in self.hot:
-            self.hot.discard(ino)
+            del self.hot[ino]
             self.front.hot_revoke(ino)  # calls fast_opened for each notice still queued
             self._unback(ino)
 
@@ -498,6 +505,8 @@ class Operations(pyfuse3.Operations):
                     self._maybe_free(node)
                 return
             node = self.ns.inodes[ino]
+            if ino in self.hot:
+                self.hot.move_to_end(ino)
             self.readahead.opened(ino, flags, node.size, pid)
             self.store.pin_passthrough(ino, node.size)
             self.backing[ino][1] += 1

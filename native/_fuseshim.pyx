@@ -484,6 +484,7 @@ cdef extern from *:
     static uint64_t kvfs_hot_ino[KVFS_HOT_SLOTS];  /* 0: empty slot (linear probing) */
     static int32_t kvfs_hot_id[KVFS_HOT_SLOTS];
     static int kvfs_hot_n = 0;
+    static int kvfs_hot_limit = KVFS_HOT_SLOTS / 2;
     static unsigned long long kvfs_fast_opens = 0;
 
     static size_t kvfs_hot_home(uint64_t ino) {
@@ -822,7 +823,7 @@ cdef extern from *:
             return 0;
         pthread_mutex_lock(&kvfs_front_lock);
         size_t i = kvfs_hot_find(ino);
-        if (kvfs_hot_ino[i] == 0 && kvfs_hot_n < KVFS_HOT_SLOTS / 2) {
+        if (kvfs_hot_ino[i] == 0 && kvfs_hot_n < kvfs_hot_limit) {
             kvfs_hot_ino[i] = ino;
             kvfs_hot_id[i] = id;
             kvfs_hot_n++;
@@ -830,6 +831,14 @@ cdef extern from *:
         }
         pthread_mutex_unlock(&kvfs_front_lock);
         return added;
+    }
+
+    static int kvfs_set_hot_limit(int n) {
+        pthread_mutex_lock(&kvfs_front_lock);
+        kvfs_hot_limit = n < 1 ? 1 : n > KVFS_HOT_SLOTS / 2 ? KVFS_HOT_SLOTS / 2 : n;
+        n = kvfs_hot_limit;
+        pthread_mutex_unlock(&kvfs_front_lock);
+        return n;
     }
 
     static unsigned long long kvfs_get_fast_opens(void) {
@@ -858,6 +867,7 @@ cdef extern from *:
     int kvfs_front_on
     int kvfs_hot_add(unsigned long long ino, int id)
     void kvfs_hot_revoke(unsigned long long ino)
+    int kvfs_set_hot_limit(int n)
     unsigned long long kvfs_get_fast_opens()
     void kvfs_set_opened_handler(object fn)
 
@@ -945,6 +955,11 @@ def hot_add(unsigned long long ino, int backing_id) -> bool:
     """Let the front thread answer read-only opens of *ino* with *backing_id* until
     `hot_revoke`. False if the table is full or the front thread is not running."""
     return kvfs_hot_add(ino, backing_id) != 0
+
+
+def hot_limit(int n) -> int:
+    """At most *n* files in the table (clamped to 1..16,384); returns the limit set."""
+    return kvfs_set_hot_limit(n)
 
 
 def hot_revoke(unsigned long long ino) -> None:

@@ -507,6 +507,32 @@ def test_reopens_of_a_resident_file_are_answered_by_the_front_thread(mount_facto
     assert _fast(m) == (0, 0)
 
 
+def test_the_front_threads_table_keeps_the_files_opened_last(mount_factory):
+    """The table is bounded (-o fast_open_files): a file found ready when it is full takes
+    the place of the one opened least recently, instead of never getting in."""
+    m = mount_factory(fast_open_files="3")
+    blobs = {f"f{i}": os.urandom(50_000) for i in range(6)}
+    for name, blob in blobs.items():
+        (m.path / name).write_bytes(blob)
+    time.sleep(0.5)  # taken (and offered) while the daemon is idle
+    for name, blob in blobs.items():
+        assert (m.path / name).read_bytes() == blob
+    fast, files = _fast(m)
+    assert files == 3
+    # f3..f5 were offered last: their opens are answered there, and f3, opened again,
+    # becomes the most recent, so f0's offer pushes out f4, the least recently opened.
+    for name in ("f5", "f3"):
+        assert (m.path / name).read_bytes() == blobs[name]
+    assert _fast(m) == (fast + 2, 3)
+    assert (m.path / "f0").read_bytes() == blobs["f0"]  # the daemon's open: offered again
+    assert _fast(m) == (fast + 2, 3)
+    for name in ("f0", "f3", "f5"):
+        assert (m.path / name).read_bytes() == blobs[name]
+    assert _fast(m) == (fast + 5, 3)
+    assert (m.path / "f4").read_bytes() == blobs["f4"]  # out of the table: the daemon's
+    assert _fast(m) == (fast + 5, 3)
+
+
 def test_a_file_changed_after_its_fast_opens_reads_the_new_bytes(mount_factory):
     """Whatever changes a file through the daemon takes it out of the front thread's table
     first: a write, a truncation down or up, an O_TRUNC open, a rename over it, an unlink
