@@ -64,7 +64,7 @@ class Control:
     def status(self) -> dict:
         out = self.store.stats()
         out["uptime_s"] = round(time.time() - self.started, 1)
-        out["files"] = sum(1 for i in self.ns.inodes.values() if i.is_reg and i.nlink)
+        out["files"] = self.ns.files
         out["settings"] = {"chunk_size": self.store.cs, "cache_mode": self.settings.cache_mode,
                            "dram_dir": self.settings.dram_dir,
                            "nvme_dir": self.settings.nvme_dir}

@@ -96,6 +96,7 @@ class Namespace:
         self.security_xattrs = False
         self.on_security_xattr = lambda: None
         self.next_ino = ROOT_INODE + 1
+        self.files = 0  # regular files with a name: kept as they change, for a cheap status
         self._load()
 
     # -- loading ---------------------------------------------------------------------------
@@ -103,6 +104,7 @@ class Namespace:
         for k, v in self.meta.scan("inodes"):
             ino = from_u64(k)
             self.inodes[ino] = Inode.unpack(ino, v)
+        self.files = sum(1 for i in self.inodes.values() if i.is_reg and i.nlink)
         for k, v in self.meta.scan("dirents"):
             parent, name, child = from_u64(k[:8]), k[8:], from_u64(v)
             self.dirs.setdefault(parent, {})[name] = child
@@ -258,6 +260,8 @@ class Namespace:
                 self.inodes[parent].nlink += 1
             self._touch_dir(txn, parent, now)
         self.inodes[ino] = inode
+        if inode.is_reg:
+            self.files += 1
         d[name] = ino
         self._add_name(ino, parent, name)
         if is_dir:
@@ -316,6 +320,8 @@ class Namespace:
             self.parent.pop(inode.ino, None)
         else:
             inode.nlink -= 1
+            if inode.nlink == 0 and inode.is_reg:
+                self.files -= 1
         inode.ctime_ns = now
         self._put(txn, inode)
 

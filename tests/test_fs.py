@@ -144,6 +144,23 @@ def test_unlink_open_file_stays_readable(kv):
     assert os.fstat(fd).st_size == len(data) + 4
     os.close(fd)
     assert kv.status()["files"] == 0
+    # The count follows creates, links, unlinks and renames over a file (and a remount).
+    for name in ("a", "b", "c"):
+        (kv.path / name).write_bytes(b"x")
+    os.link(kv.path / "a", kv.path / "a2")
+    (kv.path / "d").mkdir()
+    os.symlink("a", kv.path / "s")
+    assert kv.status()["files"] == 3
+    os.unlink(kv.path / "a")
+    assert kv.status()["files"] == 3  # a2 still names it
+    os.replace(kv.path / "b", kv.path / "c")
+    assert kv.status()["files"] == 2
+    kv.unmount()
+    kv.start()
+    assert kv.status()["files"] == 2
+    for name in ("a2", "c"):
+        os.unlink(kv.path / name)
+    assert kv.status()["files"] == 0
     # release() arrives asynchronously after close(); then the data is freed
     for _ in range(100):
         tiers = kv.status()["tiers"]

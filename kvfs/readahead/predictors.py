@@ -92,6 +92,7 @@ class SuccessorGraph:
         self.succ: OrderedDict[int, list[list]] = OrderedDict()
         self.pred: dict[int, int | set[int]] = {}
         self.links = {KIND_WRITE: 0, KIND_READ: 0}
+        self.nedges = 0  # kept as edges come and go: status asks, and a sum is O(files)
         # Files whose most recent successor changed since the last save (None: it has none).
         self.dirty: dict[int, tuple[int, str] | None] = {}
 
@@ -99,7 +100,7 @@ class SuccessorGraph:
         return len(self.succ)
 
     def edges(self) -> int:
-        return sum(len(s) for s in self.succ.values())
+        return self.nedges
 
     def successors(self, a: int) -> list[int]:
         """Oldest first."""
@@ -132,11 +133,14 @@ class SuccessorGraph:
         else:
             out.append([b, kind, 1])
             self._add_pred(b, a)
+            self.nedges += 1
         while len(out) > self.fanout:
             self._unpred(out.pop(0)[0], a)
+            self.nedges -= 1
         self.dirty[a] = (b, out[-1][1])
         while len(self.succ) > self.max_nodes:
             node, gone = self.succ.popitem(last=False)
+            self.nedges -= len(gone)
             self.dirty[node] = None
             for edge in gone:
                 self._unpred(edge[0], node)
@@ -183,10 +187,13 @@ class SuccessorGraph:
             self.dirty[ino] = None
         for edge in self.succ.pop(ino, ()):
             self._unpred(edge[0], ino)
+            self.nedges -= 1
         for a in self.predecessors(ino):
             out = self.succ.get(a)
             if out is not None:
+                before = len(out)
                 out[:] = [edge for edge in out if edge[0] != ino]
+                self.nedges -= before - len(out)
                 self.dirty[a] = self.next(a)
         self.pred.pop(ino, None)
 

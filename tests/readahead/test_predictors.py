@@ -437,3 +437,16 @@ def test_hooked_policy_equals_plain_slru_when_nothing_is_predicted():
                 p.removed(key)
         assert list(hooked.victims()) == list(plain.victims())
         assert hooked.next_victim(set()) == plain.next_victim(set())
+
+
+def test_graph_edge_count_stays_the_sum_of_successor_lists():
+    """`edges()` is a counter (status asks it on a live mount; a sum is O(files))."""
+    rng = random.Random(7)
+    g = SuccessorGraph(max_nodes=40, fanout=3)
+    for step in range(3000):
+        a, b = rng.randrange(60), rng.randrange(60)
+        if step % 11 == 0:
+            g.forget(a)
+        else:
+            g.link(a, b, rng.choice((KIND_READ, KIND_WRITE)))
+        assert g.edges() == sum(len(out) for out in g.succ.values())
