@@ -128,13 +128,14 @@ class DramPolicy:
         one wanted last first, while nothing leaves. For one synchronous stretch: each key is
         checked again at its turn (the caller may have pinned its file meanwhile)."""
         kept: list[Key] = []
-        for key in list(self.probation) + list(self.protected):
-            if key in skip or not self._holds(key) or self.pinned(key):
-                continue
-            if not self.keep(key):
-                yield key
-            elif len(kept) < KEPT_SCAN:
-                kept.append(key)
+        for queue in (self.probation, self.protected):  # protected is copied only if reached
+            for key in list(queue):
+                if key in skip or not self._holds(key) or self.pinned(key):
+                    continue
+                if not self.keep(key):
+                    yield key
+                elif len(kept) < KEPT_SCAN:
+                    kept.append(key)
         for key in sorted(kept, key=self._wanted_at, reverse=True):
             if skip:
                 return  # kept ones are no candidates while any leave
