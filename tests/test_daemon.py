@@ -38,6 +38,8 @@ def dirs(tmp_path):
     (["--nvme-size", "1M"], "at least 4 segments"),
     (["-o", "dram_verify=never"], "dram_verify must be once, open or ingest"),
     (["-o", "read_through_min=big"], "read_through_min"),
+    (["-o", "fast_open_files=0"], "fast_open_files must be between 1 and 16384"),
+    (["-o", "fast_open_files=20000"], "fast_open_files must be between 1 and 16384"),
 ])
 def test_bad_options(dirs, extra, message):
     mnt, dram, nvme = dirs
