@@ -174,6 +174,8 @@ class Run:
     lat_hit: list[float] = field(default_factory=list)
     lat_miss: list[float] = field(default_factory=list)
     miss_pos: list[int] = field(default_factory=list)  # position in its request of sampled misses
+    # reads over --slow-us: (CLOCK_MONOTONIC start, block, position, open, read, close seconds)
+    slow: list[tuple] = field(default_factory=list)
     errors: int = 0
     wrong: int = 0
     seconds: float = 0.0
@@ -199,9 +201,9 @@ def in_dram(path: str, reference: bool) -> bool | None:
 
 
 def do_request(req: Request, d: str, blocks: Blocks, run: Run, sample_every: int,
-               counter: list[int]) -> None:
+               counter: list[int], slow_s: float = 0.001) -> None:
     reference = run.mode in REFERENCES
-    lat, hit, miss, miss_pos, wrong, errors = [], [], [], [], 0, 0
+    lat, hit, miss, miss_pos, wrong, errors, slow = [], [], [], [], 0, 0, []
     bs = blocks.size
     for i, h in enumerate(req.reads):
         path = f"{d}/{h:010d}"
@@ -211,15 +213,20 @@ def do_request(req: Request, d: str, blocks: Blocks, run: Run, sample_every: int
         t0 = time.perf_counter()
         try:
             fd = os.open(path, os.O_RDONLY)
+            t1 = time.perf_counter()
             try:
                 data = os.read(fd, bs)
             finally:
+                t2 = time.perf_counter()
                 os.close(fd)
         except OSError:
             errors += 1
             continue
-        dt = time.perf_counter() - t0
+        t3 = time.perf_counter()
+        dt = t3 - t0
         lat.append(dt)
+        if dt > slow_s:  # perf_counter is CLOCK_MONOTONIC: joins with the daemon's own logs
+            slow.append((t0, h, i, t1 - t0, t2 - t1, t3 - t2))
         if tier is True:
             hit.append(dt)
         elif tier is False:
@@ -244,6 +251,7 @@ def do_request(req: Request, d: str, blocks: Blocks, run: Run, sample_every: int
         run.miss_pos += miss_pos
         run.wrong += wrong
         run.errors += errors
+        run.slow += slow
 
 
 def start_hinter(d: str, ahead: int):
@@ -283,7 +291,7 @@ def replay(reqs: list[Request], mnt: Path, blocks: Blocks, run: Run, args) -> No
 
     def one(req: Request) -> None:
         try:
-            do_request(req, d, blocks, run, args.sample_every, counter)
+            do_request(req, d, blocks, run, args.sample_every, counter, args.slow_us / 1e6)
         finally:
             slots.release()
 
@@ -410,7 +418,30 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
+def slow_steps(run: Run) -> dict:
+    """How many reads were slow, and in how many of them each step (open, read, close)
+    took most of the time."""
+    most = [max(range(3), key=lambda k, r=r: r[3 + k]) for r in run.slow]
+    return {"slow_reads": len(run.slow), "slowest_step": {
+        name: most.count(k) for k, name in enumerate(("open", "read", "close"))}}
+
+
+def write_slow_log(path: Path, runs: list[Run]) -> None:
+    with path.open("w") as f:
+        f.write("mode\tstart_monotonic_s\tblock\tposition\topen_us\tread_us\tclose_us\n")
+        for run in runs:
+            for t0, h, i, o, r, c in sorted(run.slow):
+                f.write(f"{run.mode}\t{t0:.6f}\t{h}\t{i}\t{o * 1e6:.0f}\t{r * 1e6:.0f}"
+                        f"\t{c * 1e6:.0f}\n")
+
+
 def summarize(run: Run) -> dict:
+    out = _summarize(run)
+    out.update(slow_steps(run))
+    return out
+
+
+def _summarize(run: Run) -> dict:
     a, b = run.after, run.before
     us = 1e6
     if not a:  # a reference mode: latencies only
@@ -541,6 +572,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="hint each request's reads (kvfs.client.prefetch) when it is N "
                         "requests from running, as an engine's scheduler could (0: no hints)")
     p.add_argument("--keep", action="store_true")
+    p.add_argument("--slow-us", type=float, default=1000.0,
+                   help="reads slower than this count as slow (see --slow-log)")
+    p.add_argument("--slow-log", type=Path, default=None, metavar="FILE",
+                   help="write every slow read here (TSV: mode, CLOCK_MONOTONIC start, block, "
+                        "position in its request, open/read/close us), to join with the "
+                        "daemon's own timestamps; the summary says which step was slow")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     if args.work_dir:
@@ -564,11 +601,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"offline on {len(reqs)} requests, capacity {cap} blocks: LRU {_p(lru)}, "
           f"Belady {_p(opt)}", file=sys.stderr)
     blocks = Blocks(bs, args.content)
-    runs = []
+    runs, replayed = [], []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         run = mount_and_replay(mode, reqs, blocks, cap, unique, args)
+        replayed.append(run)
         runs.append(summarize(run))
         print(f"  [{mode}] {json.dumps(runs[-1])}", file=sys.stderr)
+    if args.slow_log:
+        write_slow_log(args.slow_log, replayed)
     print_table(meta, runs, lru, opt)
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "offline": {"lru": lru, "belady": opt},
