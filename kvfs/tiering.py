@@ -105,25 +105,15 @@ class DramPolicy:
         return math.inf if d is None else d
 
     def next_victim(self, skip: set[Key]) -> Key | None:
-        """The coldest key not in *skip* (the ones already leaving), looking at the live
-        queues; a key readahead wants kept only if there is no other and nothing is leaving
-        (what leaves may be room enough), and then the one wanted last (of the coldest
-        KEPT_SCAN)."""
-        kept: list[Key] = []
-        scan = KEPT_SCAN if not skip else 0  # kept ones are no candidates while any leave
-        for queue in (self.probation, self.protected):
-            for key in queue:
-                if key not in skip and not self.pinned(key):
-                    if not self.keep(key):
-                        return key
-                    if len(kept) < scan:
-                        kept.append(key)
-        return max(kept, key=self._wanted_at, default=None)
+        """The coldest key not in *skip* (the ones already leaving); a key readahead wants
+        kept only if there is no other and nothing is leaving (what leaves may be room
+        enough), and then the one wanted last (of the coldest KEPT_SCAN)."""
+        return next(self.victim_run(skip), None)
 
     def victim_run(self, skip: set[Key]) -> Iterator[Key]:
         """The keys successive `next_victim(skip)` calls would return while the caller
-        removes or skips each one it gets, from one scan of the queues (with many kept or
-        pinned keys at the cold end, a scan per victim had held the trio thread ~15 ms for a
+        removes or skips each one it gets, from one scan of the queues (a scan per victim,
+        past many kept or pinned keys at the cold end, had held the trio thread ~15 ms for a
         16-copy clean run). When only kept keys are left: the coldest KEPT_SCAN of them, the
         one wanted last first, while nothing leaves. For one synchronous stretch: each key is
         checked again at its turn (the caller may have pinned its file meanwhile)."""
