@@ -72,9 +72,11 @@ class Assembly:
                               cache_mode=s.cache_mode)
         self.store.revoke = self.ops.revoke
         self.store.staged = self.ops.staged
+        self.store.stage_watch = self.ops.stage_watch
         # opens answered by the shim's front thread, without waiting for the trio thread
         extra.append(lambda: {"passthrough": {"fast_opens": self.ops.fast_opens,
-                                              "fast_open_files": len(self.ops.hot)}})
+                                              "fast_open_files": len(self.ops.hot),
+                                              "fast_open_staged": self.ops.fast_open_staged}})
         if s.cache_mode:
             self.evictor = FileEvictor(self.ops.remove_file, self.store.file_bytes)
             self.ops.evictor = self.evictor

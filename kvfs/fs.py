@@ -83,6 +83,26 @@ FAST_OPEN_MAX_CHUNKS = 16
 
 
 @dataclass
+class _PendingOpen:
+    """The StageWatch of a file entered pending in the front thread's table."""
+    ops: Operations
+    front: object  # the shim module (`ops.front` may be cleared meanwhile)
+    ino: int
+    ticket: int
+
+    def ready(self) -> None:
+        if self.front.hot_ready(self.ino, self.ticket):  # False: revoked meanwhile
+            self.ops.fast_open_staged += 1
+
+    def done(self, installed: bool) -> None:
+        if self.ops.pending_hot.get(self.ino) != self.ticket:
+            return  # revoked meanwhile
+        del self.ops.pending_hot[self.ino]
+        if not installed:
+            self.ops.revoke(self.ino)
+
+
+@dataclass
 class Handle:
     ino: int
     flags: int
@@ -159,6 +179,9 @@ class Operations(pyfuse3.Operations):
         # full, it makes room for a file just found ready.
         self.hot: OrderedDict[int, None] = OrderedDict()
         self.hot_capacity = FAST_OPEN_FILES_MAX
+        # Those entered pending while a prefetch stages them (`stage_watch`) -> ticket.
+        self.pending_hot: dict[int, int] = {}
+        self.fast_open_staged = 0  # pending entries made ready by their prefetch
         self.fast_opens = 0
 
     # -- helpers ---------------------------------------------------------------------------
@@ -452,34 +475,71 @@ class Operations(pyfuse3.Operations):
     # through the daemon, its DRAM copies dropped or repacked (the store calls `revoke`),
     # its data freed. Revoking delivers the notices still queued, so that a file opened
     # there counts as open (pinned) before such a change is decided.
+    # A file of one chunk that a prefetch stages also enters the table when the prefetch
+    # starts, pending (`stage_watch`): the worker thread makes it ready once the bytes are
+    # staged and checked, so that an open arriving before this thread has seen the prefetch
+    # end (it may be milliseconds behind) is not queued behind that. The fetch cannot end
+    # any other way than with those bytes as the chunk's copy unless something revoked the
+    # file first: writes and truncations wait for it, and a freed file is revoked.
+    def _may_fast_open(self, node: Inode) -> bool:
+        """Is *node* a file the front thread may serve, once ready (and not in its table)?"""
+        ino = node.ino
+        return not (self.front is None or self.shim is None or ino in self.hot
+                    or not node.is_reg or node.nlink == 0 or ino in self.writers
+                    or ino in self._pending_takes
+                    or node.size > FAST_OPEN_MAX_CHUNKS * self.store.cs
+                    or self.store.reads_through(ino, node.size))
+
     def _offer_fast_open(self, node: Inode, ready: bool = False) -> None:
         """Let the front thread answer *node*'s opens for reading from now on, if it is a
         file a passthrough open would find ready: *ready*, it was just found so (an open,
         with no await since); else it is checked here (just taken, or staged)."""
-        ino = node.ino
-        if (self.front is None or self.shim is None or ino in self.hot or not node.is_reg
-                or node.nlink == 0 or ino in self.writers or ino in self._pending_takes
-                or node.size > FAST_OPEN_MAX_CHUNKS * self.store.cs
-                or self.store.reads_through(ino, node.size)):
+        if not self._may_fast_open(node):
             return
-        b = self.backing.get(ino)
+        fd = None
         if not ready:
-            fd = self.store.passthrough_fd(ino, node.size)
+            fd = self.store.passthrough_fd(node.ino, node.size)
             if fd is None:
                 return
-            if b is None:
-                backing_id = self._backing_open(fd)
-                if backing_id is None:
-                    return
-                b = self.backing[ino] = [backing_id, 0]
+        self._enter_hot(node.ino, fd, pending=False)
+
+    def _enter_hot(self, ino: int, fd: int | None, pending: bool) -> int:
+        """Put *ino* in the front thread's table, ready or *pending*, with the backing id
+        its handles hold, or one opened on its DRAM file *fd*. Returns 0 if it is not in,
+        else the pending entry's ticket (1 if ready)."""
+        b = self.backing.get(ino)
+        if b is None:
+            backing_id = self._backing_open(fd)
+            if backing_id is None:
+                return 0
+            b = self.backing[ino] = [backing_id, 0]
         if len(self.hot) >= self.hot_capacity:
             self.revoke(next(iter(self.hot)))
-        if self.front.hot_add(ino, b[0]):
+        if pending:
+            entered = self.front.hot_pending(ino, b[0])
+        else:
+            entered = int(self.front.hot_add(ino, b[0]))
+        if entered:
             self.hot[ino] = None
             b[1] += 1
         elif not b[1]:  # opened above for nothing
             del self.backing[ino]
             self._backing_close(ino, b[0])
+        return entered
+
+    def stage_watch(self, ino: int, c: int, fd: int) -> _PendingOpen | None:
+        """A prefetch is about to stage chunk *c* of *ino* in its DRAM file *fd* (the
+        store's hook): if that is the whole file, and one the front thread may serve, enter
+        it pending; the watch makes it ready."""
+        node = self.ns.inodes.get(ino)
+        if (c != 0 or node is None or not 0 < node.size <= self.store.cs
+                or not self._may_fast_open(node)):
+            return None
+        ticket = self._enter_hot(ino, fd, pending=True)
+        if not ticket:
+            return None
+        self.pending_hot[ino] = ticket
+        return _PendingOpen(self, self.front, ino, ticket)
 
     def staged(self, ino: int) -> None:
         """A prefetch staged a chunk of *ino* (the store's hook): offer the file once it is
@@ -492,6 +552,7 @@ class Operations(pyfuse3.Operations):
         """The front thread answers no more opens of *ino*; those it did are handles now."""
         if ino in self.hot:
             del self.hot[ino]
+            self.pending_hot.pop(ino, None)
             self.front.hot_revoke(ino)  # calls fast_opened for each notice still queued
             self._unback(ino)
 

@@ -442,7 +442,13 @@ cdef extern from *:
          notice: once it returns, no open of that inode can be answered here, and Python
          knows every open that was. Python revokes before anything that would make a
          passthrough read of the file wrong (its DRAM copies dropped or repacked, a write,
-         a truncation, its data freed). */
+         a truncation, its data freed);
+       - an entry may be added pending (kvfs_hot_pending: a prefetch is staging the file's
+         only chunk), with a ticket; opens of it go to Python until the worker thread that
+         staged and checked the bytes calls kvfs_hot_ready with that ticket. The front
+         thread then answers opens that arrive before Python has even heard the prefetch
+         is over (it may be busy with other work for milliseconds). A ticket names one
+         entry: a ready from a prefetch whose entry was revoked changes nothing. */
     #include <poll.h>
     #include <pthread.h>
     #include <signal.h>
@@ -483,6 +489,8 @@ cdef extern from *:
     static PyObject *kvfs_opened_fn = NULL;
     static uint64_t kvfs_hot_ino[KVFS_HOT_SLOTS];  /* 0: empty slot (linear probing) */
     static int32_t kvfs_hot_id[KVFS_HOT_SLOTS];
+    static uint64_t kvfs_hot_ticket[KVFS_HOT_SLOTS];  /* 0: ready; else pending, this one */
+    static uint64_t kvfs_next_ticket = 1;
     static int kvfs_hot_n = 0;
     static int kvfs_hot_limit = KVFS_HOT_SLOTS / 2;
     static unsigned long long kvfs_fast_opens = 0;
@@ -512,6 +520,7 @@ cdef extern from *:
             if (!stays) {
                 kvfs_hot_ino[i] = kvfs_hot_ino[j];
                 kvfs_hot_id[i] = kvfs_hot_id[j];
+                kvfs_hot_ticket[i] = kvfs_hot_ticket[j];
                 i = j;
             }
         }
@@ -579,7 +588,7 @@ cdef extern from *:
             return 0;
         pthread_mutex_lock(&kvfs_front_lock);
         size_t i = kvfs_hot_find(h->nodeid);
-        if (kvfs_hot_ino[i] == 0) {
+        if (kvfs_hot_ino[i] == 0 || kvfs_hot_ticket[i] != 0) {  /* absent, or pending */
             pthread_mutex_unlock(&kvfs_front_lock);
             free(m);
             return 0;
@@ -817,8 +826,10 @@ cdef extern from *:
         }
     }
 
-    static int kvfs_hot_add(uint64_t ino, int32_t id) {
-        int added = 0;
+    /* Adds *ino* (absent) ready, or pending if *pending*. Returns 0 if it was not added
+       (present, the table full, no front thread), else 1 or the pending entry's ticket. */
+    static uint64_t kvfs_hot_insert(uint64_t ino, int32_t id, int pending) {
+        uint64_t added = 0;
         if (ino == 0 || !kvfs_front_on)
             return 0;
         pthread_mutex_lock(&kvfs_front_lock);
@@ -826,11 +837,33 @@ cdef extern from *:
         if (kvfs_hot_ino[i] == 0 && kvfs_hot_n < kvfs_hot_limit) {
             kvfs_hot_ino[i] = ino;
             kvfs_hot_id[i] = id;
+            kvfs_hot_ticket[i] = pending ? kvfs_next_ticket++ : 0;
             kvfs_hot_n++;
-            added = 1;
+            added = pending ? kvfs_hot_ticket[i] : 1;
         }
         pthread_mutex_unlock(&kvfs_front_lock);
         return added;
+    }
+
+    static int kvfs_hot_add(uint64_t ino, int32_t id) {
+        return kvfs_hot_insert(ino, id, 0) != 0;
+    }
+
+    static unsigned long long kvfs_hot_pending(uint64_t ino, int32_t id) {
+        return kvfs_hot_insert(ino, id, 1);
+    }
+
+    /* The pending entry of *ino* with *ticket*, if it is still there, is ready now. */
+    static int kvfs_hot_ready(uint64_t ino, uint64_t ticket) {
+        int ready = 0;
+        pthread_mutex_lock(&kvfs_front_lock);
+        size_t i = kvfs_hot_find(ino);
+        if (ticket != 0 && kvfs_hot_ino[i] == ino && kvfs_hot_ticket[i] == ticket) {
+            kvfs_hot_ticket[i] = 0;
+            ready = 1;
+        }
+        pthread_mutex_unlock(&kvfs_front_lock);
+        return ready;
     }
 
     static int kvfs_set_hot_limit(int n) {
@@ -866,6 +899,8 @@ cdef extern from *:
     int kvfs_front_wanted
     int kvfs_front_on
     int kvfs_hot_add(unsigned long long ino, int id)
+    unsigned long long kvfs_hot_pending(unsigned long long ino, int id)
+    int kvfs_hot_ready(unsigned long long ino, unsigned long long ticket) nogil
     void kvfs_hot_revoke(unsigned long long ino)
     int kvfs_set_hot_limit(int n)
     unsigned long long kvfs_get_fast_opens()
@@ -955,6 +990,23 @@ def hot_add(unsigned long long ino, int backing_id) -> bool:
     """Let the front thread answer read-only opens of *ino* with *backing_id* until
     `hot_revoke`. False if the table is full or the front thread is not running."""
     return kvfs_hot_add(ino, backing_id) != 0
+
+
+def hot_pending(unsigned long long ino, int backing_id) -> int:
+    """Enter *ino* with *backing_id* as pending: its opens still go to Python until
+    `hot_ready` with the returned ticket (0: not entered, as `hot_add` False). Revoked
+    like any entry."""
+    return kvfs_hot_pending(ino, backing_id)
+
+
+def hot_ready(unsigned long long ino, unsigned long long ticket) -> bool:
+    """Any thread, once the file's bytes are in its DRAM file and checked: the front
+    thread may answer opens of *ino* from now on, if its pending entry with *ticket* is
+    still there (False: it was revoked)."""
+    cdef int r
+    with nogil:
+        r = kvfs_hot_ready(ino, ticket)
+    return r != 0
 
 
 def hot_limit(int n) -> int:

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import trio
 import xxhash
@@ -157,6 +157,18 @@ class ChunkError(Exception):
 # and the trio thread runs meanwhile); python-xxhash's, the same function, where it cannot run.
 xxhash_hash = xxhash.xxh3_64_intdigest
 _hash = _digest.xxh3 if _digest.fast() else xxhash_hash
+
+
+class StageWatch(Protocol):
+    """Told how a prefetch's staging of a chunk goes (see `ChunkStore.stage_watch`)."""
+
+    def ready(self) -> None:
+        """Worker thread: the chunk's bytes are in its DRAM file, whole and checked, and
+        will become its DRAM copy unless `done(False)` comes."""
+
+    def done(self, installed: bool) -> None:
+        """The fetch is over: the staged bytes are the chunk's DRAM copy now, or not
+        (*installed* False: the region is released right after this returns)."""
 
 
 class _Mismatch(Exception):
@@ -286,6 +298,9 @@ class ChunkStore:
         # Prefetch bookkeeping: chunks staged ahead of a read and not read yet, and in flight.
         self.prefetched: set[tuple[int, int]] = set()
         self._prefetching: set[tuple[int, int]] = set()
+        # ... and the ones in flight that a passthrough open counted as read already: their
+        # bytes were staged, and the open answered from them, before the fetch was over.
+        self._used_in_flight: set[tuple[int, int]] = set()
         # Prefetch never takes the worker threads demand reads need.
         self.prefetch_limiter = trio.CapacityLimiter(max(1, io_threads // 2))
         self.high_water = int(0.9 * dram_size)  # set by tiering; start demoting above it
@@ -305,6 +320,11 @@ class ChunkStore:
         # staged(ino): a prefetch brought a chunk of *ino* into DRAM, checked (the file may be
         # wholly resident now: kvfs.fs offers it to the front thread). Set by the assembly.
         self.staged: Callable[[int], None] = lambda ino: None
+        # stage_watch(ino, c, fd): a prefetch is about to stage chunk *c* of *ino* in its
+        # DRAM file *fd*; kvfs.fs may answer a StageWatch, to let the front thread serve
+        # the file as soon as the worker has staged it. Set by the assembly.
+        self.stage_watch: Callable[[int, int, int], StageWatch | None] = \
+            lambda ino, c, fd: None
         # Chunks written over in DRAM -> the NVMe-only location of their last written-back
         # bytes, until the new ones are written back (`_shadow`).
         self.shadows: dict[tuple[int, int], Loc] = {}
@@ -1021,6 +1041,8 @@ class ChunkStore:
         if key in self.prefetched:
             self.prefetched.discard(key)
             self.counters.prefetch_used += 1
+        elif key in self._prefetching:
+            self._used_in_flight.add(key)  # counted when the prefetch is over
 
     async def prefetch(self, ino: int, c: int,
                        make_room: Callable[[int], bool] | None = None) -> bool | None:
@@ -1044,16 +1066,21 @@ class ChunkStore:
         self._prefetching.add(key)
         try:
             data = await self.fetch(ino, c, loc, stage=self.prefetch_limit,
-                                    limiter=self.prefetch_limiter, want=False)
+                                    limiter=self.prefetch_limiter, want=False, watch=True)
         except ChunkError as exc:
             log.warning("prefetch: %s", exc)
             return False
         finally:
             self._prefetching.discard(key)
+            used = key in self._used_in_flight
+            self._used_in_flight.discard(key)
         now = self.get(ino, c)
         if data is None or now is None or now.seq != loc.seq or now.dram_slot < 0:
             return False  # changed meanwhile, or no room when the read began
-        self.prefetched.add(key)
+        if used:
+            self.counters.prefetch_used += 1
+        else:
+            self.prefetched.add(key)
         if not now.flags & PACKED:  # fetch checked the bytes it staged: the next read
             self.dram.mark_checked(ino, c, now.seq)  # counts as checked (dram_verify=open)
             self.staged(ino)
@@ -1099,14 +1126,16 @@ class ChunkStore:
     async def fetch(self, ino: int, c: int, loc: Loc, *, stage: float | None,
                     limiter: trio.CapacityLimiter | None = None,
                     raw: bool = False, want: bool = True,
-                    have: bytes | bytearray | None = None) -> bytes | memoryview | bool | None:
+                    have: bytes | bytearray | None = None,
+                    watch: bool = False) -> bytes | memoryview | bool | None:
         """Read an NVMe-only chunk (verified). If DRAM holds less than *stage* bytes, the
         worker also writes the bytes into the chunk's region, which becomes its clean DRAM
         copy (no eviction); with `dram_compress` (and not *raw*) it writes the record's
         payload there instead, a packed copy. Returns the bytes (True instead unless *want*),
         or None if the chunk changed meanwhile. Writes and truncations of the chunk wait
         until this is over. *have*: the chunk's verified bytes, read before (read-ahead):
-        nothing is read, they are only staged."""
+        nothing is read, they are only staged. *watch*: ask `stage_watch` about a raw
+        staging."""
         key = (ino, c)
         pending = self._fetching.get(key)
         if pending is not None:
@@ -1120,17 +1149,21 @@ class ChunkStore:
         pack = have is None and not raw and self.packs(loc) and ino not in self.dram.pins
         length = loc.stored_len if pack else loc.raw_len
         filling = pages(length)
-        held = None
+        held = watcher = None
+        installed = False
         try:
             if stage is not None and self.promotion_room(filling, stage):
                 self.dram.claim(ino, c)
                 claimed = True
                 self.dram_filling += filling
                 held = self.dram.hold(ino)
+                if watch and not pack and have is None:
+                    watcher = self.stage_watch(ino, c, held.fd)
             seg = self.nvme.pin(loc.seg)
             try:
                 data, staged = await trio.to_thread.run_sync(
                     self._read_to_dram, ino, c, loc, seg, held, pack, want, have,
+                    watcher.ready if watcher is not None else None,
                     limiter=limiter or self.limiter)
             finally:
                 self.nvme.unpin(seg)
@@ -1151,11 +1184,14 @@ class ChunkStore:
                                    flags=(now.flags | PACKED) if pack else now.flags)
                 with self.meta.write() as txn:
                     self._replace(txn, ino, c, now, new)
+                installed = True
                 self.counters.promotions += 1
                 if not pack:
                     self._mark_checked(ino, c, new)  # _read_record checked these bytes
             return data if want else True
         finally:
+            if watcher is not None:
+                watcher.done(installed)  # before the region is released, if it is
             if claimed:
                 self.dram_filling -= filling
                 self.dram.release(ino, c, length)
@@ -1164,7 +1200,8 @@ class ChunkStore:
             done.set()
 
     def _read_to_dram(self, ino: int, c: int, loc: Loc, seg, held: DramFile | None,
-                      pack: bool, want: bool, have: bytes | bytearray | None = None
+                      pack: bool, want: bool, have: bytes | bytearray | None = None,
+                      ready: Callable[[], None] | None = None
                       ) -> tuple[bytes | memoryview | None, bool]:
         """Worker thread: `_read_record` (unless the bytes are *have*), and if *held* (the
         chunk's DRAM file, its region claimed) write the bytes (the payload if *pack*) into
@@ -1172,13 +1209,17 @@ class ChunkStore:
         (None unless *want*) and whether the region was filled (False: not asked, or the
         tmpfs is full). Bytes nobody wants go to the region straight from the read buffer
         (a raw record) or from this thread's own buffer, warm in its cache, not from fresh
-        memory that each chunk would fault in again."""
+        memory that each chunk would fault in again. *ready* is called once a raw
+        staging is done."""
         def stage(data: bytes | memoryview) -> bool:
             try:
-                return os.pwrite(held.fd, data, c * self.cs) == len(data)
+                ok = os.pwrite(held.fd, data, c * self.cs) == len(data)
             except OSError as exc:
                 log.warning("DRAM tier: cannot stage a chunk (%s)", exc)
                 return False
+            if ok and ready is not None and not pack:
+                ready()
+            return ok
 
         if have is not None:
             return have, held is not None and stage(have)
@@ -1351,7 +1392,7 @@ class ChunkStore:
             if self.dram_verify == "open":
                 self.dram.forget(ino, c)  # a check counts for one open only
             self.policy.hit(key)
-            if self.prefetched:
+            if self.prefetched or self._prefetching:
                 self._prefetch_used(key)
         self.counters.chunks_from_dram += len(chunks) - from_nvme
         self.counters.passthrough_chunks += len(chunks)

@@ -4,6 +4,8 @@ metrics in `kvfsctl status`."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import threading
@@ -205,6 +207,110 @@ def test_staged_chunks_survive_a_write_flood(kv):
     before = kv.status()["reads"]["chunks_from_dram"]
     assert [read(kv, n) for n in names] == [block("S", i) for i in range(6)]
     assert kv.status()["reads"]["chunks_from_dram"] - before == 6
+
+
+def test_a_prefetched_file_is_ready_for_the_front_thread_when_staged(mount_factory):
+    """A file of one chunk that a prefetch stages enters the front thread's table pending;
+    the worker that staged and checked its bytes makes it ready, so its first open is
+    answered there, even if the daemon's main thread has not seen the prefetch end."""
+    m = mount_factory()
+    lead_in(m, "p")
+    blobs = {f"p{i}": os.urandom(50_000 + i) for i in range(4)}
+    for name, blob in blobs.items():
+        write(m, name, blob)
+    push_to_nvme(m, list(blobs))
+    st = m.status()["passthrough"]
+    fast, staged = st["fast_opens"], st["fast_open_staged"]
+    assert client.prefetch(m.path / name for name in blobs) == 4
+    deadline = time.monotonic() + 10
+    while m.status()["passthrough"]["fast_open_staged"] < staged + 4:
+        assert time.monotonic() < deadline, m.status()["passthrough"]
+        time.sleep(0.02)
+    for name, blob in blobs.items():
+        assert (m.path / name).read_bytes() == blob
+    assert m.status()["passthrough"]["fast_opens"] == fast + 4
+    assert m.status()["prefetch"]["used_chunks"] >= 4
+
+
+def test_opens_racing_prefetches_and_changes_read_whole_versions(mount_factory):
+    """Files on NVMe are hinted and read at once, over and over, while another thread
+    rewrites them in place, truncates and refills them, or replaces them; then everything
+    goes back to NVMe, and again. Opens meet files entered pending, made ready by a
+    worker, revoked mid-fetch. Every read returns the file's own bytes."""
+    m = mount_factory(dram_size="8M")
+    names = [f"q{i}" for i in range(8)]
+    size = 48 << 10
+
+    def version(name: str, n: int) -> bytes:
+        return f"{name}:{n:012d};".encode() * (size // 16)
+
+    def whole_records(name: str, got: bytes) -> bool:
+        """Records of 16 bytes, each one of *name*'s versions. A read racing a write may
+        see part of it, as on any local filesystem: a mix of versions, or a file being
+        written after O_TRUNC shorter; never zeros, or another file's bytes."""
+        pattern = re.compile(re.escape(name.encode()) + rb":\d{12};")
+        return len(got) <= size and all(
+            pattern.fullmatch(got, i, i + 16) for i in range(0, len(got), 16)) and \
+            len(got) % 16 == 0
+
+    lead_in(m, "q")
+    for name in names:
+        write(m, name, version(name, 0))
+    errors: list[str] = []
+    reads = [0]
+
+    def reader(stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                client.prefetch(m.path / name for name in names)
+            except OSError:
+                pass  # a file replaced between the listing and the hint
+            for name in names:
+                try:
+                    got = (m.path / name).read_bytes()
+                except FileNotFoundError:
+                    continue
+                reads[0] += 1
+                if not whole_records(name, got):
+                    errors.append(f"{name}: {len(got)} bytes, starts {got[:20]!r}")
+
+    def change(n: int) -> None:
+        for i, name in enumerate(names):
+            data = version(name, n)
+            way = (n + i) % 3
+            if way == 0:
+                with open(m.path / name, "r+b") as f:  # in place, through the daemon
+                    f.write(data)
+            elif way == 1:
+                with open(m.path / name, "wb") as f:  # O_TRUNC: empty, then whole
+                    f.write(data)
+            else:
+                tmp = m.path / f".{name}.tmp"
+                tmp.write_bytes(data)
+                os.replace(tmp, m.path / name)
+            time.sleep(0.003)
+
+    staged = m.status()["passthrough"]["fast_open_staged"]
+    for n in range(1, 7):  # rounds: everything to NVMe, then hints, reads and changes race
+        push_to_nvme(m, names, tag=f"fill{n}")
+        stop = threading.Event()
+        readers = [threading.Thread(target=reader, args=(stop,)) for _ in range(2)]
+        for t in readers:
+            t.start()
+        time.sleep(0.002 * n)
+        change(n)
+        time.sleep(0.05)
+        stop.set()
+        for t in readers:
+            t.join()
+    assert not errors, errors[:5]
+    assert reads[0] > 100
+    st = m.status()
+    assert st["passthrough"]["fast_open_staged"] > staged
+    m.unmount()
+    r = subprocess.run([sys.executable, "-m", "kvfs.cli.fsck", str(m.nvme_dir), "--dram-dir",
+                        str(m.dram_dir)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_prediction_off_is_the_plain_policy(mount_factory):
