@@ -23,7 +23,8 @@ Concurrency protocol (all of this runs on the trio thread; see docs/DESIGN.md):
   chunk's bytes takes a new seq, so a result computed from bytes that changed meanwhile is
   recognised and thrown away (its NVMe record is marked dead). The one writer is an NVMe read
   staging a chunk: it claims the region first, and until it is done (`_fetching`) writes and
-  truncations of that chunk wait.
+  truncations of that chunk wait (before they change anything: the staged bytes may be read
+  by a passthrough open before the fetch ends, see `stage_watch`).
 - A region or a record is released only after the location that replaces it is committed
   (MetaStore.after_commit): invariant 4.
 - A sealed chunk (checksum valid) that is about to change is unsealed in lmdb *before* its
@@ -2059,22 +2060,27 @@ class ChunkStore:
             return
         cs = self.cs
         keep = self._nchunks(new_size)
-        gone = []
+        # NVMe reads staging chunks that go must end first, as the chunks' DRAM copies: a
+        # passthrough open may read a staged region before its fetch ends (kvfs.fs,
+        # stage_watch), so the region must not be released under it before the file is cut.
+        # And cutting the DRAM file is then the last word on its length.
+        while (pending := self._fetch_of(ino, keep, self._nchunks(old_size))) is not None:
+            await pending.wait()
         with self.meta.write() as txn:
             for c in self.index.chunks_of(ino, self._nchunks(old_size)):
                 if c >= keep:
                     self._replace(txn, ino, c, self.get(ino, c), None)
-                    gone.append(c)
         cut = new_size - (keep - 1) * cs if new_size else 0
         if new_size and cut != cs:
             await self._cut(ino, keep - 1, cut)
-        # NVMe reads of the chunks that went may still be writing their regions: wait, so
-        # that cutting the DRAM file is the last word on its length.
-        for c in gone:
-            pending = self._fetching.get((ino, c))
-            if pending is not None:
-                await pending.wait()
         self.dram.truncate(ino, new_size)
+
+    def _fetch_of(self, ino: int, start: int, stop: int) -> trio.Event | None:
+        """The end of a fetch of one of *ino*'s chunks *start*..*stop*-1, if one is on."""
+        for c in self.index.chunks_of(ino, stop):
+            if c >= start and (done := self._fetching.get((ino, c))) is not None:
+                return done
+        return None
 
     async def _cut(self, ino: int, c: int, cut: int) -> None:
         """Shorten chunk *c* to *cut* bytes (its DRAM bytes past that go with the DRAM file's
