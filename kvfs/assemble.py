@@ -76,7 +76,8 @@ class Assembly:
         # opens answered by the shim's front thread, without waiting for the trio thread
         extra.append(lambda: {"passthrough": {"fast_opens": self.ops.fast_opens,
                                               "fast_open_files": len(self.ops.hot),
-                                              "fast_open_staged": self.ops.fast_open_staged}})
+                                              "fast_open_staged": self.ops.fast_open_staged,
+                                              "fast_open_parked": self._parked_opens()}})
         if s.cache_mode:
             self.evictor = FileEvictor(self.ops.remove_file, self.store.file_bytes)
             self.ops.evictor = self.evictor
@@ -110,6 +111,10 @@ class Assembly:
         self.readahead.load()
         self.collector = CycleCollector(lambda: self.ops.requests)
         extra.append(self.collector.stats)
+
+    def _parked_opens(self) -> int:
+        """Opens that waited in the front thread for their file's staging (see kvfs.fs)."""
+        return self.ops.front.parked_opens() if self.ops.front is not None else 0
 
     def _size_of(self, ino: int) -> int | None:
         inode = self.ns.inodes.get(ino)

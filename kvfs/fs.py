@@ -476,11 +476,13 @@ class Operations(pyfuse3.Operations):
     # its data freed. Revoking delivers the notices still queued, so that a file opened
     # there counts as open (pinned) before such a change is decided.
     # A file of one chunk that a prefetch stages also enters the table when the prefetch
-    # starts, pending (`stage_watch`): the worker thread makes it ready once the bytes are
-    # staged and checked, so that an open arriving before this thread has seen the prefetch
-    # end (it may be milliseconds behind) is not queued behind that. The fetch cannot end
-    # any other way than with those bytes as the chunk's copy unless something revoked the
-    # file first: writes and truncations wait for it, and a freed file is revoked.
+    # starts, pending (`stage_watch`): the front thread parks its opens, and the worker
+    # thread makes it ready (answering them) once the bytes are staged and checked. So an
+    # open that comes while the prefetch is in flight, or before this thread has seen it
+    # end (it may be milliseconds behind), waits for the staging only, not for this
+    # thread. The fetch cannot end any other way than with those bytes as the chunk's
+    # copy unless something revoked the file first (which hands parked opens to this
+    # thread): writes and truncations wait for it, and a freed file is revoked.
     def _may_fast_open(self, node: Inode) -> bool:
         """Is *node* a file the front thread may serve, once ready (and not in its table)?"""
         ino = node.ino

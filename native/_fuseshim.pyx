@@ -444,11 +444,14 @@ cdef extern from *:
          passthrough read of the file wrong (its DRAM copies dropped or repacked, a write,
          a truncation, its data freed);
        - an entry may be added pending (kvfs_hot_pending: a prefetch is staging the file's
-         only chunk), with a ticket; opens of it go to Python until the worker thread that
-         staged and checked the bytes calls kvfs_hot_ready with that ticket. The front
-         thread then answers opens that arrive before Python has even heard the prefetch
-         is over (it may be busy with other work for milliseconds). A ticket names one
-         entry: a ready from a prefetch whose entry was revoked changes nothing. */
+         only chunk), with a ticket. An open of a pending file is parked here (a copy of
+         its request) until the worker thread that staged and checked the bytes calls
+         kvfs_hot_ready with that ticket, which answers the parked opens (notices queued
+         under the lock, replies after) and lets later ones be answered at once: none of
+         them waits for Python to hear that the prefetch is over (it may be busy with
+         other work for milliseconds). kvfs_hot_revoke of a pending file queues its parked
+         opens for Python as the requests they were. A ticket names one entry: a ready
+         from a prefetch whose entry was revoked changes nothing. */
     #include <poll.h>
     #include <pthread.h>
     #include <signal.h>
@@ -460,8 +463,10 @@ cdef extern from *:
     #define KVFS_FAST_FH (1ULL << 48)         /* handles given out here start above this */
     #define KVFS_HOT_SLOTS 32768              /* at most half of them used */
     #define KVFS_SPARES 16
+    #define KVFS_PARKED_MAX 256               /* more opens of pending files go to Python */
+    #define KVFS_RAW_MAX 64                   /* an OPEN request is 48 bytes */
 
-    enum { KVFS_MSG_REQUEST, KVFS_MSG_OPENED, KVFS_MSG_UNSENT };
+    enum { KVFS_MSG_REQUEST, KVFS_MSG_OPENED, KVFS_MSG_UNSENT, KVFS_MSG_PARKED };
 
     struct kvfs_in_header {
         uint32_t len, opcode; uint64_t unique, nodeid;
@@ -474,6 +479,8 @@ cdef extern from *:
         int kind;
         char *mem; size_t size;                  /* KVFS_MSG_REQUEST */
         uint64_t ino, fh; uint32_t flags, pid;   /* an open answered here (or not sent) */
+        uint64_t unique; uint32_t rawlen;        /* KVFS_MSG_PARKED: the request itself */
+        char raw[KVFS_RAW_MAX];
     };
 
     static pthread_mutex_t kvfs_front_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -494,6 +501,9 @@ cdef extern from *:
     static int kvfs_hot_n = 0;
     static int kvfs_hot_limit = KVFS_HOT_SLOTS / 2;
     static unsigned long long kvfs_fast_opens = 0;
+    static struct kvfs_msg *kvfs_parked = NULL;  /* opens of pending files, oldest first */
+    static int kvfs_nparked = 0;
+    static unsigned long long kvfs_parked_total = 0;
 
     static size_t kvfs_hot_home(uint64_t ino) {
         return (size_t)((ino * 0x9E3779B97F4A7C15ULL) >> 49) & (KVFS_HOT_SLOTS - 1);
@@ -574,7 +584,56 @@ cdef extern from *:
         free(mem);
     }
 
-    /* An OPEN for reading of an inode in the table: answered here. Returns 1 if it was. */
+    /* With the lock: *m* (ino, flags, pid set) becomes the notice of an open answered here
+       with a new handle, which is returned; reply with kvfs_reply_open after unlocking. */
+    static uint64_t kvfs_open_here(struct kvfs_msg *m) {
+        m->kind = KVFS_MSG_OPENED;
+        m->fh = kvfs_next_fh++;
+        kvfs_push(m);
+        kvfs_fast_opens++;
+        return m->fh;
+    }
+
+    static void kvfs_reply_open(uint64_t ino, uint64_t unique, uint64_t fh, int32_t id) {
+        struct kvfs_out_header out = { sizeof out + sizeof(struct kvfs_open_out), 0, unique };
+        struct kvfs_open_out o = { fh, KVFS_FOPEN_PASSTHROUGH, id };
+        struct iovec iov[2] = { { &out, sizeof out }, { &o, sizeof o } };
+        if (writev(kvfs_front_fd, iov, 2) < 0) {
+            /* The opener is gone (interrupted): no RELEASE will come for fh. */
+            struct kvfs_msg *u = (struct kvfs_msg *)calloc(1, sizeof *u);
+            if (u != NULL) {
+                u->kind = KVFS_MSG_UNSENT;
+                u->ino = ino;
+                u->fh = fh;
+                pthread_mutex_lock(&kvfs_front_lock);
+                kvfs_push(u);
+                pthread_mutex_unlock(&kvfs_front_lock);
+            }
+        }
+    }
+
+    /* With the lock: the parked opens of *ino* (at most *max*), taken off the list in
+       order. */
+    static struct kvfs_msg *kvfs_unpark(uint64_t ino, int max) {
+        struct kvfs_msg *out = NULL, **tail = &out, **p = &kvfs_parked;
+        while (*p != NULL && max > 0) {
+            struct kvfs_msg *m = *p;
+            if (m->ino != ino) {
+                p = &m->next;
+                continue;
+            }
+            *p = m->next;
+            m->next = NULL;
+            *tail = m;
+            tail = &m->next;
+            kvfs_nparked--;
+            max--;
+        }
+        return out;
+    }
+
+    /* An OPEN for reading of an inode in the table: answered here, or parked while the
+       inode is pending. Returns 1 if it was either. */
     static int kvfs_fast_open(const char *mem, ssize_t n) {
         const struct kvfs_in_header *h = (const struct kvfs_in_header *)mem;
         if (h->opcode != KVFS_FUSE_OPEN
@@ -588,37 +647,34 @@ cdef extern from *:
             return 0;
         pthread_mutex_lock(&kvfs_front_lock);
         size_t i = kvfs_hot_find(h->nodeid);
-        if (kvfs_hot_ino[i] == 0 || kvfs_hot_ticket[i] != 0) {  /* absent, or pending */
+        if (kvfs_hot_ino[i] == 0 || (kvfs_hot_ticket[i] != 0 && (
+                kvfs_nparked >= KVFS_PARKED_MAX || n > KVFS_RAW_MAX))) {
             pthread_mutex_unlock(&kvfs_front_lock);
             free(m);
             return 0;
         }
-        int32_t id = kvfs_hot_id[i];
-        uint64_t fh = kvfs_next_fh++;
-        m->kind = KVFS_MSG_OPENED;
         m->ino = h->nodeid;
-        m->fh = fh;
         m->flags = in->flags;
         m->pid = h->pid;
-        kvfs_push(m);
-        kvfs_fast_opens++;
-        pthread_mutex_unlock(&kvfs_front_lock);
-
-        struct kvfs_out_header out = { sizeof out + sizeof(struct kvfs_open_out), 0, h->unique };
-        struct kvfs_open_out o = { fh, KVFS_FOPEN_PASSTHROUGH, id };
-        struct iovec iov[2] = { { &out, sizeof out }, { &o, sizeof o } };
-        if (writev(kvfs_front_fd, iov, 2) < 0) {
-            /* The opener is gone (interrupted): no RELEASE will come for fh. */
-            struct kvfs_msg *u = (struct kvfs_msg *)calloc(1, sizeof *u);
-            if (u != NULL) {
-                u->kind = KVFS_MSG_UNSENT;
-                u->ino = h->nodeid;
-                u->fh = fh;
-                pthread_mutex_lock(&kvfs_front_lock);
-                kvfs_push(u);
-                pthread_mutex_unlock(&kvfs_front_lock);
-            }
+        m->unique = h->unique;
+        if (kvfs_hot_ticket[i] != 0) {  /* pending: wait here for kvfs_hot_ready */
+            m->kind = KVFS_MSG_PARKED;
+            m->rawlen = (uint32_t)n;
+            memcpy(m->raw, mem, (size_t)n);
+            struct kvfs_msg **p = &kvfs_parked;
+            while (*p != NULL)
+                p = &(*p)->next;
+            m->next = NULL;
+            *p = m;
+            kvfs_nparked++;
+            kvfs_parked_total++;
+            pthread_mutex_unlock(&kvfs_front_lock);
+            return 1;
         }
+        int32_t id = kvfs_hot_id[i];
+        uint64_t fh = kvfs_open_here(m);
+        pthread_mutex_unlock(&kvfs_front_lock);
+        kvfs_reply_open(h->nodeid, h->unique, fh, id);
         return 1;
     }
 
@@ -799,6 +855,7 @@ cdef extern from *:
         struct kvfs_msg *notices = NULL, **tail = &notices;
         pthread_mutex_lock(&kvfs_front_lock);
         kvfs_hot_delete(ino);
+        struct kvfs_msg *parked = kvfs_unpark(ino, KVFS_PARKED_MAX);
         struct kvfs_msg **p = &kvfs_q_head, *prev = NULL;
         while (*p != NULL) {
             struct kvfs_msg *m = *p;
@@ -823,6 +880,24 @@ cdef extern from *:
             struct kvfs_msg *m = notices;
             notices = m->next;
             kvfs_deliver(m);
+        }
+        while (parked != NULL) {  /* Python answers them now, as if they had not waited */
+            struct kvfs_msg *m = parked;
+            parked = m->next;
+            char *mem = kvfs_buf_get();  /* a request's buffer must be a whole one */
+            if (mem == NULL) {  /* cannot happen in practice; the opener gets EIO */
+                struct kvfs_out_header out = { sizeof out, -EIO, m->unique };
+                if (write(kvfs_front_fd, &out, sizeof out) < 0) { /* the caller is gone */ }
+                free(m);
+                continue;
+            }
+            memcpy(mem, m->raw, m->rawlen);
+            m->kind = KVFS_MSG_REQUEST;
+            m->mem = mem;
+            m->size = m->rawlen;
+            pthread_mutex_lock(&kvfs_front_lock);
+            kvfs_push(m);
+            pthread_mutex_unlock(&kvfs_front_lock);
         }
     }
 
@@ -853,17 +928,51 @@ cdef extern from *:
         return kvfs_hot_insert(ino, id, 1);
     }
 
-    /* The pending entry of *ino* with *ticket*, if it is still there, is ready now. */
+    /* The pending entry of *ino* with *ticket*, if it is still there, is ready now: its
+       parked opens are answered, a batch at a time (notices queued under the lock, the
+       replies after it). */
+    #define KVFS_READY_BATCH 32
     static int kvfs_hot_ready(uint64_t ino, uint64_t ticket) {
         int ready = 0;
+        int32_t id = 0;
         pthread_mutex_lock(&kvfs_front_lock);
         size_t i = kvfs_hot_find(ino);
         if (ticket != 0 && kvfs_hot_ino[i] == ino && kvfs_hot_ticket[i] == ticket) {
             kvfs_hot_ticket[i] = 0;
+            id = kvfs_hot_id[i];
             ready = 1;
         }
         pthread_mutex_unlock(&kvfs_front_lock);
+        while (ready) {
+            uint64_t unique[KVFS_READY_BATCH], fh[KVFS_READY_BATCH];
+            int n = 0;
+            pthread_mutex_lock(&kvfs_front_lock);
+            i = kvfs_hot_find(ino);
+            if (kvfs_hot_ino[i] != ino || kvfs_hot_ticket[i] != 0 || kvfs_hot_id[i] != id) {
+                pthread_mutex_unlock(&kvfs_front_lock);  /* revoked: it took the rest */
+                break;
+            }
+            struct kvfs_msg *parked = kvfs_unpark(ino, KVFS_READY_BATCH);
+            while (parked != NULL) {
+                struct kvfs_msg *m = parked;
+                parked = m->next;
+                unique[n] = m->unique;
+                fh[n++] = kvfs_open_here(m);
+            }
+            pthread_mutex_unlock(&kvfs_front_lock);
+            for (int k = 0; k < n; k++)
+                kvfs_reply_open(ino, unique[k], fh[k], id);
+            if (n < KVFS_READY_BATCH)
+                break;
+        }
         return ready;
+    }
+
+    static unsigned long long kvfs_get_parked_total(void) {
+        pthread_mutex_lock(&kvfs_front_lock);
+        unsigned long long n = kvfs_parked_total;
+        pthread_mutex_unlock(&kvfs_front_lock);
+        return n;
     }
 
     static int kvfs_set_hot_limit(int n) {
@@ -901,6 +1010,7 @@ cdef extern from *:
     int kvfs_hot_add(unsigned long long ino, int id)
     unsigned long long kvfs_hot_pending(unsigned long long ino, int id)
     int kvfs_hot_ready(unsigned long long ino, unsigned long long ticket) nogil
+    unsigned long long kvfs_get_parked_total()
     void kvfs_hot_revoke(unsigned long long ino)
     int kvfs_set_hot_limit(int n)
     unsigned long long kvfs_get_fast_opens()
@@ -1018,6 +1128,11 @@ def hot_revoke(unsigned long long ino) -> None:
     """No more opens of *ino* are answered by the front thread; those it answered are
     delivered to the opened handler before this returns."""
     kvfs_hot_revoke(ino)
+
+
+def parked_opens() -> int:
+    """Opens of pending files that waited in the front thread for their staging."""
+    return kvfs_get_parked_total()
 
 
 def fast_opens() -> int:

@@ -297,12 +297,14 @@ def test_opens_racing_prefetches_and_changes_read_whole_versions(mount_factory):
         readers = [threading.Thread(target=reader, args=(stop,)) for _ in range(2)]
         for t in readers:
             t.start()
-        time.sleep(0.002 * n)
-        change(n)
-        time.sleep(0.05)
-        stop.set()
-        for t in readers:
-            t.join()
+        try:
+            time.sleep(0.002 * n)
+            change(n)
+            time.sleep(0.05)
+        finally:
+            stop.set()
+            for t in readers:
+                t.join()
     assert not errors, errors[:5]
     assert reads[0] > 100
     st = m.status()
