@@ -58,6 +58,15 @@ from kvfs.store.meta import MetaStore, from_key2, from_u64, key2, u64
 from kvfs.store.nvme import NvmeFull, NvmeLog, RecordError, RecordHeader, record_length
 
 log = logging.getLogger(__name__)
+# Tests only: KVFS_TEST_FETCH_DELAY=SECONDS:PATH makes every NVMe read staging a chunk take
+# SECONDS longer (in its worker thread) while PATH exists, so that tests can act while
+# fetches are in flight. Unset in normal use.
+_TEST_FETCH_DELAY = os.environ.get("KVFS_TEST_FETCH_DELAY", "").partition(":")[::2]
+
+
+def _test_fetch_delay() -> None:
+    if _TEST_FETCH_DELAY[1] and os.path.exists(_TEST_FETCH_DELAY[1]):
+        time.sleep(float(_TEST_FETCH_DELAY[0]))
 
 SEALED = 1  # checksum covers the current bytes
 LOST = 2  # the only copy was in DRAM and DRAM was lost (reboot): reads fail with EIO
@@ -800,7 +809,12 @@ class ChunkStore:
         while True:
             loc = self.get(ino, c)
             if loc is None:
+                # A hole, or a chunk that a truncation removed while this read waited (for a
+                # fetch): zeros, but only up to the file's end as it is now.
                 self.counters.chunks_from_holes += 1
+                size = self.size_of(ino)
+                if size is not None:
+                    length = max(0, min(length, size - c * self.cs - start))
                 return bytes(length)
             if loc.flags & LOST:
                 raise ChunkError(f"inode {ino} chunk {c}: its only copy was lost with DRAM")
@@ -1224,6 +1238,8 @@ class ChunkStore:
 
         if have is not None:
             return have, held is not None and stage(have)
+        if held is not None:
+            _test_fetch_delay()
         if held is None:
             return self._read_record(ino, c, loc, seg, None), False
         if pack:

@@ -232,6 +232,61 @@ def test_a_prefetched_file_is_ready_for_the_front_thread_when_staged(mount_facto
     assert m.status()["prefetch"]["used_chunks"] >= 4
 
 
+def test_an_open_during_a_prefetch_waits_for_its_staging_not_for_the_daemon(
+        mount_factory, monkeypatch, tmp_path):
+    """With NVMe stagings slowed down (KVFS_TEST_FETCH_DELAY, a test hook), an open of a
+    file whose prefetch is in flight is parked in the front thread and answered when the
+    worker has staged the file. A change of the file meanwhile (an O_TRUNC rewrite) hands
+    the parked open to the daemon, which answers it around the change: the reader gets one
+    whole version, or the new one as far as it is written."""
+    slow = tmp_path / "slow"
+    monkeypatch.setenv("KVFS_TEST_FETCH_DELAY", f"0.5:{slow}")
+    m = mount_factory()
+    lead_in(m, "k")
+    names = ["k0", "k1"]
+    for i, name in enumerate(names):
+        write(m, name, block("K", i))
+    push_to_nvme(m, names)
+    slow.touch()
+
+    def parked() -> int:
+        return m.status()["passthrough"]["fast_open_parked"]
+
+    def timed_read(name: str, out: dict) -> None:
+        t0 = time.monotonic()
+        out["data"] = read(m, name)
+        out["s"] = time.monotonic() - t0
+
+    before, fast = parked(), m.status()["passthrough"]["fast_opens"]
+    client.prefetch([m.path / "k0"])
+    time.sleep(0.15)  # the prefetch is under way: k0 is pending
+    got: dict = {}
+    timed_read("k0", got)
+    assert got["data"] == block("K", 0)
+    assert got["s"] > 0.1  # it waited for the staging
+    assert parked() == before + 1
+    assert m.status()["passthrough"]["fast_opens"] == fast + 1
+
+    client.prefetch([m.path / "k1"])
+    time.sleep(0.15)
+    got = {}
+    t = threading.Thread(target=timed_read, args=("k1", got))
+    t.start()
+    time.sleep(0.1)  # the reader's open is parked
+    new = block("N", 1)
+    write(m, "k1", new)  # O_TRUNC: revokes k1, handing the parked open to the daemon
+    t.join()
+    assert parked() == before + 2
+    old = block("K", 1)
+    assert got["data"] in (old, new) or new.startswith(got["data"]), (len(got["data"]), got["data"].find(b"N"), got["data"].find(b"K"), got["data"][:32])
+    assert read(m, "k1") == new
+    slow.unlink()
+    m.unmount()
+    r = subprocess.run([sys.executable, "-m", "kvfs.cli.fsck", str(m.nvme_dir), "--dram-dir",
+                        str(m.dram_dir)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_opens_racing_prefetches_and_changes_read_whole_versions(mount_factory):
     """Files on NVMe are hinted and read at once, over and over, while another thread
     rewrites them in place, truncates and refills them, or replaces them; then everything
