@@ -968,13 +968,6 @@ cdef extern from *:
         return ready;
     }
 
-    static unsigned long long kvfs_get_parked_total(void) {
-        pthread_mutex_lock(&kvfs_front_lock);
-        unsigned long long n = kvfs_parked_total;
-        pthread_mutex_unlock(&kvfs_front_lock);
-        return n;
-    }
-
     static int kvfs_set_hot_limit(int n) {
         pthread_mutex_lock(&kvfs_front_lock);
         kvfs_hot_limit = n < 1 ? 1 : n > KVFS_HOT_SLOTS / 2 ? KVFS_HOT_SLOTS / 2 : n;
@@ -983,9 +976,10 @@ cdef extern from *:
         return n;
     }
 
-    static unsigned long long kvfs_get_fast_opens(void) {
+    /* Opens answered here (*parked* 0), or parked (1), since the module was loaded. */
+    static unsigned long long kvfs_open_count(int parked) {
         pthread_mutex_lock(&kvfs_front_lock);
-        unsigned long long n = kvfs_fast_opens;
+        unsigned long long n = parked ? kvfs_parked_total : kvfs_fast_opens;
         pthread_mutex_unlock(&kvfs_front_lock);
         return n;
     }
@@ -1010,10 +1004,9 @@ cdef extern from *:
     int kvfs_hot_add(unsigned long long ino, int id)
     unsigned long long kvfs_hot_pending(unsigned long long ino, int id)
     int kvfs_hot_ready(unsigned long long ino, unsigned long long ticket) nogil
-    unsigned long long kvfs_get_parked_total()
     void kvfs_hot_revoke(unsigned long long ino)
     int kvfs_set_hot_limit(int n)
-    unsigned long long kvfs_get_fast_opens()
+    unsigned long long kvfs_open_count(int parked)
     void kvfs_set_opened_handler(object fn)
 
 
@@ -1132,9 +1125,9 @@ def hot_revoke(unsigned long long ino) -> None:
 
 def parked_opens() -> int:
     """Opens of pending files that waited in the front thread for their staging."""
-    return kvfs_get_parked_total()
+    return kvfs_open_count(1)
 
 
 def fast_opens() -> int:
     """Opens answered by the front thread since the module was loaded."""
-    return kvfs_get_fast_opens()
+    return kvfs_open_count(0)

@@ -84,6 +84,11 @@ class Mount:
                            timeout=120)
         assert r.returncode == 0, r.stderr
 
+    def fsck(self) -> subprocess.CompletedProcess:
+        """kvfs.cli.fsck on this mount's tiers (unmount first)."""
+        return subprocess.run([sys.executable, "-m", "kvfs.cli.fsck", str(self.nvme_dir),
+                               "--dram-dir", str(self.dram_dir)], capture_output=True, text=True)
+
     def kill(self) -> None:
         """SIGKILL the daemon (a crash), then clear the dead mount."""
         pid = self.pid()

@@ -608,8 +608,7 @@ def test_a_file_changed_after_its_fast_opens_reads_the_new_bytes(mount_factory):
         for _ in range(2):
             assert (m.path / name).read_bytes() == blob, name
     m.unmount()
-    r = subprocess.run([sys.executable, "-m", "kvfs.cli.fsck", str(m.nvme_dir), "--dram-dir",
-                        str(m.dram_dir)], capture_output=True, text=True)
+    r = m.fsck()
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -671,8 +670,7 @@ def test_fast_opens_racing_replacement_and_demotion_read_whole_versions(mount_fa
     assert reads[0] > 100
     assert _fast(m)[0] > 0
     m.unmount()
-    r = subprocess.run([sys.executable, "-m", "kvfs.cli.fsck", str(m.nvme_dir), "--dram-dir",
-                        str(m.dram_dir)], capture_output=True, text=True)
+    r = m.fsck()
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -751,8 +749,7 @@ def test_unlink_or_truncate_while_a_big_file_is_taken(mount_factory):
     stored = st["tiers"]["dram"]["logical_bytes"] + st["tiers"]["nvme"]["logical_bytes"]
     assert stored <= sum(map(len, files.values())) + (64 << 10)
     m.unmount()
-    r = subprocess.run([sys.executable, "-m", "kvfs.cli.fsck", str(m.nvme_dir), "--dram-dir",
-                        str(m.dram_dir)], capture_output=True, text=True)
+    r = m.fsck()
     assert r.returncode == 0, r.stdout + r.stderr
     m.start()
     assert sorted(os.listdir(d)) == sorted(files)

@@ -621,9 +621,7 @@ def test_fsck_clean_and_detects_corruption(kv):
     files = _fill(kv, "f", 30, 128 << 10)
     seg = kv.where(_nvme_only(kv, files)[0])[0]["segment"]
     kv.unmount()
-    cmd = [sys.executable, "-m", "kvfs.cli.fsck", str(kv.nvme_dir), "--dram-dir",
-           str(kv.dram_dir)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = kv.fsck()
     assert r.returncode == 0, r.stdout + r.stderr
     assert " 0 errors" in r.stdout
     path = kv.nvme_dir / "segments" / f"seg-{seg:08d}.kvs"
@@ -632,7 +630,7 @@ def test_fsck_clean_and_detects_corruption(kv):
         if raw[off:off + 4] == b"KVR1":
             raw[off + 64 + 10] ^= 1
     path.write_bytes(bytes(raw))
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = kv.fsck()
     assert r.returncode == 4
     assert "checksum mismatch" in r.stdout or "decode" in r.stdout.lower()
     assert len(files) == 30
@@ -805,8 +803,7 @@ def test_packed_copies_survive_remount_kill_and_reboot(mount_factory):
     assert _packed(m, files) == 12
     m.unmount()
     assert _superblock_format(m) == 3
-    r = subprocess.run([sys.executable, "-m", "kvfs.cli.fsck", str(m.nvme_dir), "--dram-dir",
-                        str(m.dram_dir)], capture_output=True, text=True)
+    r = m.fsck()
     assert r.returncode == 0 and " 0 errors" in r.stdout, r.stdout + r.stderr
     m.start()
     assert _packed(m, files) == 12 and m.status()["tiers"]["dram"]["packed_chunks"] == 12
@@ -889,8 +886,7 @@ def test_an_arena_store_moves_to_dram_files_at_mount(mount_factory, old_format):
     _check(m, {**durable, **dirty})
     assert all(m.tiers(n) == {"dram"} for n in dirty)
     m.unmount()
-    r = subprocess.run([sys.executable, "-m", "kvfs.cli.fsck", str(m.nvme_dir), "--dram-dir",
-                        str(m.dram_dir)], capture_output=True, text=True)
+    r = m.fsck()
     assert r.returncode == 0 and " 0 errors" in r.stdout, r.stdout + r.stderr
     m.lose_dram()  # a reboot: what was made durable before is still there
     m.start()

@@ -9,7 +9,6 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -153,9 +152,7 @@ def test_crash_at_each_step_of_a_cleaning_pass(mount_factory, monkeypatch, point
     _churn(m, 60, 8, live)  # and cleaning goes on normally afterwards
     _verify(m, live)
     m.unmount()
-    cmd = [sys.executable, "-m", "kvfs.cli.fsck", str(m.nvme_dir), "--dram-dir",
-           str(m.dram_dir)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = m.fsck()
     assert r.returncode == 0, r.stdout + r.stderr
 
 # -- in-process store: exact checks of the cleaner's ordering and accounting ------------------
