@@ -69,7 +69,8 @@ def print_status(st: dict) -> None:
     if pt and pt.get("opens"):
         print(f"passthrough: {pt['opens']} opens read by the kernel from DRAM files, "
               f"{pt.get('fast_opens', 0)} of them answered by the front thread "
-              f"({pt.get('fast_open_files', 0)} files ready for it)")
+              f"({pt.get('fast_open_files', 0)} files ready for it; "
+              f"{pt.get('fast_open_parked', 0)} opens waited there for a prefetch)")
     if r.get("read_ahead_chunks"):
         print(f"read-through files: {r['read_ahead_chunks']} NVMe chunks read ahead into "
               f"memory, {r.get('read_ahead_used_chunks', 0)} of them read")

@@ -266,6 +266,8 @@ def test_an_open_during_a_prefetch_waits_for_its_staging_not_for_the_daemon(
     assert got["s"] > 0.1  # it waited for the staging
     assert parked() == before + 1
     assert m.status()["passthrough"]["fast_opens"] == fast + 1
+    r = subprocess.run(KVFSCTL + ["status", str(m.path)], capture_output=True, text=True)
+    assert f"{before + 1} opens waited there for a prefetch" in r.stdout, r.stdout + r.stderr
 
     client.prefetch([m.path / "k1"])
     time.sleep(0.15)
