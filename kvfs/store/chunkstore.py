@@ -1238,10 +1238,9 @@ class ChunkStore:
 
         if have is not None:
             return have, held is not None and stage(have)
-        if held is not None:
-            _test_fetch_delay()
         if held is None:
             return self._read_record(ino, c, loc, seg, None), False
+        _test_fetch_delay()
         if pack:
             payload = bytearray(loc.stored_len)
             data = self._read_record(ino, c, loc, seg, None, payload_to=memoryview(payload))
