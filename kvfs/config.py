@@ -103,6 +103,10 @@ class Settings:
     # open for reading of a file still as a passthrough open found it (every chunk in DRAM
     # and checked) at once, instead of queueing it behind the daemon's other work.
     fast_open: bool = True
+    # With passthrough: that thread also answers READs of big NVMe-resident files
+    # (read_through_min) that fall within chunks already read ahead into the daemon's
+    # memory, instead of queueing them for the daemon's main thread.
+    front_reads: bool = True
     # At most this many files are in the front thread's table at once (each holds a kernel
     # reference to its DRAM file); when it is full, the file opened least recently leaves it.
     fast_open_files: int = FAST_OPEN_FILES_MAX
@@ -193,7 +197,7 @@ class Settings:
 
 _BOOL_OPTIONS = {"cache_mode", "foreground", "debug", "allow_other", "compress", "prefetch",
                  "dram_prefault", "dram_compress", "passthrough", "dram_huge",
-                 "fast_open"}
+                 "fast_open", "front_reads"}
 _FLOAT_OPTIONS = {"dram_high_watermark", "dram_low_watermark"}
 _INT_OPTIONS = {"io_threads", "readahead_chunks", "streams", "prefetch_concurrency",
                 "fast_open_files"}

@@ -215,7 +215,7 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         shim.set_fallocate_handler(asm.ops.fallocate_sync)
         shim.set_write_handlers(asm.ops.write_plan, asm.ops.write_done)
         shim.want_passthrough(s.passthrough)
-        shim.want_front_thread(s.passthrough and s.fast_open)
+        shim.want_front_thread(s.passthrough and (s.fast_open or s.front_reads))
         shim.set_opened_handler(asm.ops.fast_opened)
         asm.ops.hot_capacity = shim.hot_limit(s.fast_open_files)
         if s.passthrough:
@@ -235,8 +235,12 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         _tell(ready_fd, f"error: mounting {s.mountpoint} failed: {exc}")
         os.close(lock)
         return 1
-    if shim is not None and shim.front_thread() and s.dram_verify != "open":
-        asm.ops.front = shim  # (dram_verify=open: every open checks the file again)
+    if shim is not None and shim.front_thread():
+        if s.fast_open and s.dram_verify != "open":
+            asm.ops.front = shim  # (dram_verify=open: every open checks the file again)
+        if s.front_reads:
+            shim.set_read_handler(asm.ops.front_read, asm.store.cs)
+            asm.store.ahead_server = shim
     log.info("mounted %s (DRAM %s in %s, NVMe %s in %s, chunk %s, fallocate %s)",
              s.mountpoint, format_size(s.dram_size), s.dram_dir, format_size(s.nvme_size),
              s.nvme_dir, format_size(asm.store.cs),

@@ -579,6 +579,20 @@ class Operations(pyfuse3.Operations):
         except Exception:
             log.exception("an open of inode %d answered by the front thread", ino)
 
+    def front_read(self, ino: int, fh: int, off: int, size: int, pid: int, us: int) -> None:
+        """The front thread answered a READ of *fh* from chunks the store read ahead
+        (`ChunkStore.front_read`): the bookkeeping `read` does besides the copy."""
+        try:
+            self.requests += 1
+            node = self.ns.inodes.get(ino)
+            if node is None:
+                return
+            h = self.handles.get(fh)
+            self.readahead.read(ino, off, size, h.pid if h is not None else pid)
+            self.store.front_read(ino, off, size, node.size, us)
+        except Exception:
+            log.exception("a read of inode %d answered by the front thread", ino)
+
     @_errors
     async def open(self, inode, flags, ctx):
         with self._opening_file(inode):

@@ -455,6 +455,7 @@ cdef extern from *:
     #include <poll.h>
     #include <pthread.h>
     #include <signal.h>
+    #include <time.h>
     #include <stdlib.h>
     #include <sys/eventfd.h>
 
@@ -466,7 +467,8 @@ cdef extern from *:
     #define KVFS_PARKED_MAX 256               /* more opens of pending files go to Python */
     #define KVFS_RAW_MAX 64                   /* an OPEN request is 48 bytes */
 
-    enum { KVFS_MSG_REQUEST, KVFS_MSG_OPENED, KVFS_MSG_UNSENT, KVFS_MSG_PARKED };
+    enum { KVFS_MSG_REQUEST, KVFS_MSG_OPENED, KVFS_MSG_UNSENT, KVFS_MSG_PARKED,
+           KVFS_MSG_READ };
 
     struct kvfs_in_header {
         uint32_t len, opcode; uint64_t unique, nodeid;
@@ -481,6 +483,7 @@ cdef extern from *:
         uint64_t ino, fh; uint32_t flags, pid;   /* an open answered here (or not sent) */
         uint64_t unique; uint32_t rawlen;        /* KVFS_MSG_PARKED: the request itself */
         char raw[KVFS_RAW_MAX];
+        uint64_t off; uint32_t len, us;          /* KVFS_MSG_READ: a READ answered here */
     };
 
     static pthread_mutex_t kvfs_front_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -494,6 +497,7 @@ cdef extern from *:
     static int kvfs_nspare = 0;
     static uint64_t kvfs_next_fh = KVFS_FAST_FH;
     static PyObject *kvfs_opened_fn = NULL;
+    static PyObject *kvfs_read_fn = NULL;
     static uint64_t kvfs_hot_ino[KVFS_HOT_SLOTS];  /* 0: empty slot (linear probing) */
     static int32_t kvfs_hot_id[KVFS_HOT_SLOTS];
     static uint64_t kvfs_hot_ticket[KVFS_HOT_SLOTS];  /* 0: ready; else pending, this one */
@@ -694,6 +698,172 @@ cdef extern from *:
         return 1;
     }
 
+    /* -- READs answered from chunks read ahead (read-through files) ----------------------
+       kvfs reads big NVMe-resident files through the daemon, a few chunks ahead of a
+       sequential reader, into its own memory (kvfs.store.ChunkStore, "read-ahead"). Python
+       offers each such chunk here once it is read and checked (kvfs_ahead_offer: the bytes
+       stay Python's, kept alive until it withdraws them). A READ that lies wholly within
+       the data of offered chunks is answered by the front thread from them, and a notice
+       of it queued for Python, which does the read's bookkeeping (counters, more
+       read-ahead) as if it had answered it. Protocol, under kvfs_front_lock:
+       - the front thread marks the chunks it copies from busy, copies without the lock,
+         and then unmarks them; a READ that reaches a chunk's end consumes it (Python
+         drops it on the notice, as it does when it answers that READ itself);
+       - kvfs_ahead_withdraw marks chunks gone and waits until none of them is busy: once
+         it returns, no READ is answered from them and Python may free the bytes. Python
+         withdraws a chunk before its location changes in any way (a write, a truncation,
+         a deletion, a move) and before it drops the bytes. */
+    #define KVFS_FUSE_READ 15
+    #define KVFS_AHEAD_SLOTS 1024
+    #define KVFS_READ_PIECES 257  /* a 1 MiB READ of 4 KiB chunks, unaligned */
+    struct kvfs_read_in {
+        uint64_t fh, offset; uint32_t size, read_flags; uint64_t lock_owner;
+        uint32_t flags, padding;
+    };
+    struct kvfs_ahead {
+        uint64_t ino, chunk;     /* ino 0: a free slot */
+        const char *data; uint32_t len;
+        int busy, gone;
+    };
+    static struct kvfs_ahead kvfs_ahead[KVFS_AHEAD_SLOTS];
+    static int kvfs_ahead_top = 0;          /* no slot in use at or above it */
+    static uint64_t kvfs_chunk_size = 0;    /* 0: no READ is answered here */
+    static pthread_cond_t kvfs_ahead_idle = PTHREAD_COND_INITIALIZER;
+    static unsigned long long kvfs_front_reads = 0;
+
+    static int kvfs_ahead_find(uint64_t ino, uint64_t chunk) {  /* with the lock */
+        for (int s = 0; s < kvfs_ahead_top; s++)
+            if (kvfs_ahead[s].ino == ino && kvfs_ahead[s].chunk == chunk && !kvfs_ahead[s].gone)
+                return s;
+        return -1;
+    }
+
+    static void kvfs_ahead_free(int s) {  /* with the lock; not busy */
+        kvfs_ahead[s].ino = 0;
+        kvfs_ahead[s].data = NULL;
+        while (kvfs_ahead_top > 0 && kvfs_ahead[kvfs_ahead_top - 1].ino == 0)
+            kvfs_ahead_top--;
+    }
+
+    static int kvfs_ahead_offer(uint64_t ino, uint64_t chunk, const char *data, uint32_t len) {
+        int added = 0;
+        if (ino == 0 || len == 0 || !kvfs_front_on)
+            return 0;
+        pthread_mutex_lock(&kvfs_front_lock);
+        if (kvfs_chunk_size != 0 && kvfs_ahead_find(ino, chunk) < 0) {
+            int s = 0;
+            while (s < kvfs_ahead_top && kvfs_ahead[s].ino != 0)
+                s++;
+            if (s < KVFS_AHEAD_SLOTS) {
+                struct kvfs_ahead a = { ino, chunk, data, len, 0, 0 };
+                kvfs_ahead[s] = a;
+                if (s == kvfs_ahead_top)
+                    kvfs_ahead_top++;
+                added = 1;
+            }
+        }
+        pthread_mutex_unlock(&kvfs_front_lock);
+        return added;
+    }
+
+    /* Chunk *chunk* of *ino* (every chunk of it if *chunk* < 0) is no longer answered
+       from; returns once no READ copies from it. */
+    static void kvfs_ahead_withdraw(uint64_t ino, long long chunk) {
+        pthread_mutex_lock(&kvfs_front_lock);
+        for (;;) {
+            int waiting = 0;
+            for (int s = 0; s < kvfs_ahead_top; s++) {
+                struct kvfs_ahead *a = &kvfs_ahead[s];
+                if (a->ino != ino || (chunk >= 0 && a->chunk != (uint64_t)chunk))
+                    continue;
+                a->gone = 1;
+                if (a->busy)
+                    waiting = 1;
+                else
+                    kvfs_ahead_free(s);
+            }
+            if (!waiting)
+                break;
+            pthread_cond_wait(&kvfs_ahead_idle, &kvfs_front_lock);
+        }
+        pthread_mutex_unlock(&kvfs_front_lock);
+    }
+
+    static uint32_t kvfs_us_since(const struct timespec *t0) {
+        struct timespec t1;
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        long long ns = (t1.tv_sec - t0->tv_sec) * 1000000000LL + (t1.tv_nsec - t0->tv_nsec);
+        return ns < 0 ? 0 : (uint32_t)(ns / 1000);
+    }
+
+    /* A READ wholly within the data of offered chunks: answered here. Returns 1 if so. */
+    static int kvfs_fast_read(const char *mem, ssize_t n) {
+        const struct kvfs_in_header *h = (const struct kvfs_in_header *)mem;
+        if (h->opcode != KVFS_FUSE_READ || __atomic_load_n(&kvfs_ahead_top, __ATOMIC_RELAXED) == 0
+                || (size_t)n < sizeof *h + sizeof(struct kvfs_read_in))
+            return 0;
+        const struct kvfs_read_in *in = (const struct kvfs_read_in *)(mem + sizeof *h);
+        uint64_t cs = kvfs_chunk_size, off = in->offset, end = in->offset + in->size;
+        if (cs == 0 || in->size == 0 || end < off
+                || ((in->flags & O_DIRECT) && ((off | in->size) & 511)))  /* EINVAL: Python's */
+            return 0;
+        uint64_t first = off / cs, last = (end - 1) / cs;
+        if (last - first >= KVFS_READ_PIECES)
+            return 0;
+        struct timespec t0;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        int slot[KVFS_READ_PIECES], k = 0;
+        uint32_t stop[KVFS_READ_PIECES];
+        struct iovec iov[KVFS_READ_PIECES + 1];
+        pthread_mutex_lock(&kvfs_front_lock);
+        for (uint64_t c = first; c <= last; c++, k++) {
+            uint64_t a = off > c * cs ? off - c * cs : 0;
+            uint64_t b = end < (c + 1) * cs ? end - c * cs : cs;
+            int s = kvfs_ahead_find(h->nodeid, c);
+            if (s < 0 || b > kvfs_ahead[s].len) {  /* not here, or past its data: Python */
+                pthread_mutex_unlock(&kvfs_front_lock);
+                return 0;
+            }
+            slot[k] = s;
+            stop[k] = (uint32_t)b;
+            iov[k + 1].iov_base = (void *)(kvfs_ahead[s].data + a);
+            iov[k + 1].iov_len = (size_t)(b - a);
+        }
+        for (int i = 0; i < k; i++)
+            kvfs_ahead[slot[i]].busy++;
+        pthread_mutex_unlock(&kvfs_front_lock);
+        struct kvfs_out_header out = { (uint32_t)(sizeof out + in->size), 0, h->unique };
+        iov[0].iov_base = &out;
+        iov[0].iov_len = sizeof out;
+        int sent = writev(kvfs_front_fd, iov, k + 1) >= 0;
+        struct kvfs_msg *m = sent ? (struct kvfs_msg *)calloc(1, sizeof *m) : NULL;
+        if (m != NULL) {
+            m->kind = KVFS_MSG_READ;
+            m->ino = h->nodeid;
+            m->fh = in->fh;
+            m->pid = h->pid;
+            m->off = off;
+            m->len = in->size;
+            m->us = kvfs_us_since(&t0);
+        }
+        pthread_mutex_lock(&kvfs_front_lock);
+        for (int i = 0; i < k; i++) {
+            struct kvfs_ahead *a = &kvfs_ahead[slot[i]];
+            a->busy--;
+            if (sent && stop[i] == a->len)
+                a->gone = 1;  /* read to its end: consumed */
+            if (a->gone && a->busy == 0)
+                kvfs_ahead_free(slot[i]);
+        }
+        pthread_cond_broadcast(&kvfs_ahead_idle);
+        if (m != NULL) {
+            kvfs_push(m);
+            kvfs_front_reads++;
+        }
+        pthread_mutex_unlock(&kvfs_front_lock);
+        return 1;  /* (not sent: the reader was interrupted and wants no reply) */
+    }
+
     static void *kvfs_front_main(void *arg) {
         (void)arg;
         char *mem = NULL;
@@ -723,7 +893,7 @@ cdef extern from *:
                 end = n == 0 ? ENODEV : EIO;
                 break;
             }
-            if (kvfs_fast_open(mem, n) || kvfs_fast_no_caps(mem, n))
+            if (kvfs_fast_read(mem, n) || kvfs_fast_open(mem, n) || kvfs_fast_no_caps(mem, n))
                 continue;
             struct kvfs_msg *m = (struct kvfs_msg *)calloc(1, sizeof *m);
             if (m == NULL) {
@@ -799,6 +969,22 @@ cdef extern from *:
     }
 
     static void kvfs_deliver(struct kvfs_msg *m) {  /* without the lock, on Python's thread */
+        if (m->kind == KVFS_MSG_READ) {
+            if (kvfs_read_fn != NULL) {
+                PyGILState_STATE gil = PyGILState_Ensure();
+                PyObject *r = PyObject_CallFunction(kvfs_read_fn, "KKKIII",
+                    (unsigned long long)m->ino, (unsigned long long)m->fh,
+                    (unsigned long long)m->off, (unsigned int)m->len,
+                    (unsigned int)m->pid, (unsigned int)m->us);
+                if (r == NULL)
+                    PyErr_WriteUnraisable(kvfs_read_fn);
+                else
+                    Py_DECREF(r);
+                PyGILState_Release(gil);
+            }
+            free(m);
+            return;
+        }
         if (kvfs_opened_fn != NULL) {
             PyGILState_STATE gil = PyGILState_Ensure();
             PyObject *r = PyObject_CallFunction(kvfs_opened_fn, "KKIIi",
@@ -859,7 +1045,7 @@ cdef extern from *:
         struct kvfs_msg **p = &kvfs_q_head, *prev = NULL;
         while (*p != NULL) {
             struct kvfs_msg *m = *p;
-            if (m->kind == KVFS_MSG_REQUEST) {
+            if (m->kind == KVFS_MSG_REQUEST || m->kind == KVFS_MSG_READ) {  /* not opens */
                 prev = m;
                 p = &m->next;
                 continue;
@@ -984,6 +1170,22 @@ cdef extern from *:
         return n;
     }
 
+    static void kvfs_set_read_handler(PyObject *fn, uint64_t chunk_size) {
+        Py_XINCREF(fn);
+        Py_XDECREF(kvfs_read_fn);
+        kvfs_read_fn = fn;
+        pthread_mutex_lock(&kvfs_front_lock);
+        kvfs_chunk_size = fn != NULL && fn != Py_None ? chunk_size : 0;
+        pthread_mutex_unlock(&kvfs_front_lock);
+    }
+
+    static unsigned long long kvfs_read_count(void) {
+        pthread_mutex_lock(&kvfs_front_lock);
+        unsigned long long n = kvfs_front_reads;
+        pthread_mutex_unlock(&kvfs_front_lock);
+        return n;
+    }
+
     static void kvfs_set_opened_handler(PyObject *fn) {
         Py_XINCREF(fn);
         Py_XDECREF(kvfs_opened_fn);
@@ -1008,6 +1210,11 @@ cdef extern from *:
     int kvfs_set_hot_limit(int n)
     unsigned long long kvfs_open_count(int parked)
     void kvfs_set_opened_handler(object fn)
+    void kvfs_set_read_handler(object fn, unsigned long long chunk_size)
+    int kvfs_ahead_offer(unsigned long long ino, unsigned long long chunk, const char *data,
+                         unsigned int length)
+    void kvfs_ahead_withdraw(unsigned long long ino, long long chunk) nogil
+    unsigned long long kvfs_read_count()
 
 
 def set_fallocate_handler(handler) -> None:
@@ -1131,3 +1338,35 @@ def parked_opens() -> int:
 def fast_opens() -> int:
     """Opens answered by the front thread since the module was loaded."""
     return kvfs_open_count(0)
+
+
+def set_read_handler(handler, unsigned long long chunk_size) -> None:
+    """handler(ino, fh, off, size, pid, us): the front thread answered a READ of *size*
+    bytes at *off* from chunks offered with `ahead_offer` (*us*: microseconds from the
+    request to the reply). Runs on the FUSE thread with the GIL held, in the order of the
+    requests around it; must not block or raise. *chunk_size* is the store's. With None,
+    no READ is answered there."""
+    kvfs_set_read_handler(handler, chunk_size)
+
+
+def ahead_offer(unsigned long long ino, unsigned long long chunk, const unsigned char[::1] data
+                ) -> bool:
+    """Let the front thread answer READs within *data*, the bytes of chunk *chunk* of *ino*
+    (from its start), until `ahead_withdraw` or a READ that reaches their end. The caller
+    keeps *data* alive and unchanged until then. False: not taken (table full, no front
+    thread, no read handler)."""
+    if data.shape[0] == 0:
+        return False
+    return kvfs_ahead_offer(ino, chunk, <const char *>&data[0], <unsigned int>data.shape[0]) != 0
+
+
+def ahead_withdraw(unsigned long long ino, long long chunk=-1) -> None:
+    """No READ is answered from chunk *chunk* of *ino* (all of its chunks if negative) from
+    now on; returns once none is being copied."""
+    with nogil:
+        kvfs_ahead_withdraw(ino, chunk)
+
+
+def front_reads() -> int:
+    """READs answered by the front thread since the module was loaded."""
+    return kvfs_read_count()

@@ -55,7 +55,15 @@ from kvfs.store.choices import ChoiceMemory
 from kvfs.store.codec import CODEC_RAW, Codec, CodecError
 from kvfs.store.dram import OPEN_FILES, DramFile, DramFiles, pages
 from kvfs.store.meta import MetaStore, from_key2, from_u64, key2, u64
-from kvfs.store.nvme import NvmeFull, NvmeLog, RecordError, RecordHeader, record_length
+from kvfs.store.nvme import (
+    BLOCK,
+    HEADER_SIZE,
+    NvmeFull,
+    NvmeLog,
+    RecordError,
+    RecordHeader,
+    record_length,
+)
 
 log = logging.getLogger(__name__)
 # Tests only: KVFS_TEST_FETCH_DELAY=SECONDS:PATH makes every NVMe read staging a chunk take
@@ -181,6 +189,18 @@ class StageWatch(Protocol):
         (*installed* False: the region is released right after this returns)."""
 
 
+class AheadServer(Protocol):
+    """Answers READs from chunks read ahead, without the trio thread (the shim's front
+    thread, kvfs._fuseshim): `ChunkStore.front_read` is told of each READ it answered."""
+
+    def ahead_offer(self, ino: int, chunk: int, data: bytes) -> bool:
+        """Answer READs within *data* (kept alive and unchanged by the caller) until
+        withdrawn or read to its end. False: not taken."""
+
+    def ahead_withdraw(self, ino: int, chunk: int) -> None:
+        """No more READs are answered from the chunk once this returns."""
+
+
 class _Mismatch(Exception):
     """A record's decoded bytes do not match its chunk's checksum (inside _read_record)."""
 
@@ -216,6 +236,7 @@ class Counters:
     unpacked: int = 0  # DRAM hits that decoded a packed copy
     read_ahead: int = 0  # NVMe chunks read ahead of a read-through reader (into memory)
     read_ahead_used: int = 0  # ... and then read by it (in chunks_from_nvme)
+    front_reads: int = 0  # READs the front thread answered from chunks read ahead
 
 
 @dataclass(eq=False)
@@ -224,7 +245,11 @@ class _Ahead:
     loc: Loc  # the location it was read from: used only while the chunk is still there
     done: trio.Event = field(default_factory=trio.Event)
     since: float = field(default_factory=time.monotonic)
-    data: bytes | bytearray | None = None  # verified bytes, None until done or if it failed
+    data: bytes | memoryview | None = None  # verified bytes, None until done or if it failed
+    served: bool = False  # offered to the AheadServer (withdrawn before anything changes)
+    # The read buffer a raw record was read into (data is a view of it). It goes back to
+    # the store's pool when the chunk is dropped: nobody may use data after that.
+    buf: mmap.mmap | None = None
 
 
 @dataclass(eq=False)
@@ -358,6 +383,9 @@ class ChunkStore:
                               min(READ_AHEAD_READERS * READ_AHEAD_BYTES, dram_size // 2))
         self._ahead_window = max(2, min(READ_AHEAD_BYTES, self._ahead_max) // chunk_size)
         self._next_read: dict[int, int] = {}  # read-through file -> chunk its reader reads next
+        self._ahead_buffers: list[mmap.mmap] = []  # read buffers of dropped chunks, for reuse
+        # Answers READs from chunks read ahead without the trio thread (set by the daemon).
+        self.ahead_server: AheadServer | None = None
         # Chunks of read-through files read once lately (oldest first): a second read
         # promotes them (`_read_through_done`).
         self._seen_through: dict[tuple[int, int], bool] = {}
@@ -582,6 +610,9 @@ class ChunkStore:
             self.reserved += self.reservation(ino) - reserved_before
 
     def _store_loc(self, txn, ino: int, c: int, loc: Loc | None) -> None:
+        ahead = self._ahead.get((ino, c)) if self._ahead else None
+        if ahead is not None and ahead.served:
+            self._withdraw(ino, c, ahead)  # before any change: its bytes may be old now
         if loc is None:
             txn.delete(key2(ino, c), db=self.meta.db["chunks"])
             self.index.pop(ino, c)
@@ -861,14 +892,16 @@ class ChunkStore:
             data = None
             if ahead is not None:
                 await ahead.done.wait()
-                if start + length >= loc.raw_len or ahead.data is None:
+                # (Dropped meanwhile, by another reader say: its buffer may be reused.)
+                data = ahead.data if self._ahead.get((ino, c)) is ahead else None
+                if data is not None and self.get(ino, c) != loc:
+                    continue  # the chunk changed meanwhile: start over
+                if start + length >= loc.raw_len or data is None:
                     self._drop_ahead((ino, c), ahead)  # the reader is done with it, or failed
-                if ahead.data is not None:
-                    if self.get(ino, c) != loc:
-                        continue  # the chunk changed meanwhile: start over
+                if data is not None:
                     self.counters.read_ahead_used += start + length >= loc.raw_len
-                    data = ahead.data
-                # else the read-ahead failed: the ordinary fetch below says why (EIO).
+                # else the read-ahead failed (or is gone): the ordinary fetch below reads it
+                # (and says why it failed: EIO).
             if data is None:
                 data = await self.fetch(
                     ino, c, loc, stage=None if through else self.dram.capacity * PROMOTE_SHARE)
@@ -953,14 +986,48 @@ class ChunkStore:
         return False
 
     async def _read_ahead(self, key: tuple[int, int], ahead: _Ahead) -> None:
+        if ahead.loc.codec == CODEC_RAW:  # read and kept in a buffer of its own: no copy
+            ahead.buf = (self._ahead_buffers.pop() if self._ahead_buffers
+                         else mmap.mmap(-1, self.cs + BLOCK))
         try:
-            ahead.data = await self.fetch(key[0], key[1], ahead.loc, stage=None)
+            ahead.data = await self.fetch(key[0], key[1], ahead.loc, stage=None, into=ahead.buf)
         except ChunkError:
             ahead.data = None  # the reader's own fetch will report it
         finally:
             ahead.done.set()
             if ahead.data is None:
                 self._drop_ahead(key, ahead)
+        now = self.get(*key)
+        if (self.ahead_server is not None and self._ahead.get(key) is ahead
+                and now is not None and now.seq == ahead.loc.seq):
+            ahead.served = self.ahead_server.ahead_offer(key[0], key[1], ahead.data)
+
+    def front_read(self, ino: int, off: int, size: int, file_size: int, us: int) -> None:
+        """The AheadServer answered a READ of *size* bytes at *off* of read-through file
+        *ino* from chunks read ahead, in *us* microseconds: what `read` would have done
+        besides the copy (more read-ahead, counters, the chunks read to their end)."""
+        cs = self.cs
+        first, last = off // cs, (off + size - 1) // cs
+        self._sequential_read(ino, first, last, self._nchunks(file_size))
+        self._next_read[ino] = (off + size) // cs
+        self.counters.front_reads += 1
+        bucket = min(23, us.bit_length())
+        for c in range(first, last + 1):
+            self.counters.chunks_from_nvme += 1
+            self.counters.read_latency_us[bucket] += 1
+            self.counters.read_latency_nvme_us[bucket] += 1
+            ahead = self._ahead.get((ino, c))
+            if ahead is None or ahead.data is None:
+                continue
+            if min(off + size, (c + 1) * cs) - c * cs >= ahead.loc.raw_len:
+                ahead.served = False  # the front thread dropped it: read to its end
+                self.counters.read_ahead_used += 1
+                self._read_through_done(ino, c, ahead.loc, ahead.data)
+                self._drop_ahead((ino, c), ahead)
+
+    def _withdraw(self, ino: int, c: int, ahead: _Ahead) -> None:
+        ahead.served = False
+        self.ahead_server.ahead_withdraw(ino, c)
 
     def _read_through_done(self, ino: int, c: int, loc: Loc, data) -> None:
         """A reader has read a whole chunk of a read-through file. The second time that
@@ -977,7 +1044,8 @@ class ChunkStore:
                 and self.promotion_room(pages(loc.raw_len))):
             self.spawn(self._background, "promotion of a reused chunk", partial(
                 self.fetch, ino, c, loc, stage=self.dram.capacity * PROMOTE_SHARE, raw=True,
-                want=False, have=data, limiter=self.prefetch_limiter))
+                want=False, have=bytes(data) if isinstance(data, memoryview) else data,
+                limiter=self.prefetch_limiter))
 
     @staticmethod
     async def _background(what: str, job: Callable) -> None:
@@ -989,9 +1057,17 @@ class ChunkStore:
             log.exception("%s failed", what)
 
     def _drop_ahead(self, key: tuple[int, int], ahead: _Ahead) -> None:
+        """Forget a chunk read ahead. Its bytes are gone after the caller's next await (its
+        buffer is reused): a reader still waiting for it must read the chunk itself."""
+        if ahead.served:
+            self._withdraw(*key, ahead)
         if self._ahead.get(key) is ahead:
             del self._ahead[key]
             self._ahead_bytes -= ahead.loc.raw_len
+            if ahead.buf is not None and ahead.done.is_set():  # (else the read still uses it)
+                if len(self._ahead_buffers) < self._ahead_max // self.cs + 2:
+                    self._ahead_buffers.append(ahead.buf)
+                ahead.buf = None
 
     def end_read_through(self, ino: int) -> None:
         """The file's last handle is closed: what was read ahead for it goes."""
@@ -1142,7 +1218,8 @@ class ChunkStore:
                     limiter: trio.CapacityLimiter | None = None,
                     raw: bool = False, want: bool = True,
                     have: bytes | bytearray | None = None,
-                    watch: bool = False) -> bytes | memoryview | bool | None:
+                    watch: bool = False,
+                    into: mmap.mmap | None = None) -> bytes | memoryview | bool | None:
         """Read an NVMe-only chunk (verified). If DRAM holds less than *stage* bytes, the
         worker also writes the bytes into the chunk's region, which becomes its clean DRAM
         copy (no eviction); with `dram_compress` (and not *raw*) it writes the record's
@@ -1150,7 +1227,8 @@ class ChunkStore:
         or None if the chunk changed meanwhile. Writes and truncations of the chunk wait
         until this is over. *have*: the chunk's verified bytes, read before (read-ahead):
         nothing is read, they are only staged. *watch*: ask `stage_watch` about a raw
-        staging."""
+        staging. *into*: without staging, read a raw record into this buffer (of at least
+        chunk_size + BLOCK bytes) and return a view of it."""
         key = (ino, c)
         pending = self._fetching.get(key)
         if pending is not None:
@@ -1178,7 +1256,7 @@ class ChunkStore:
             try:
                 data, staged = await trio.to_thread.run_sync(
                     self._read_to_dram, ino, c, loc, seg, held, pack, want, have,
-                    watcher.ready if watcher is not None else None,
+                    watcher.ready if watcher is not None else None, into,
                     limiter=limiter or self.limiter)
             finally:
                 self.nvme.unpin(seg)
@@ -1216,7 +1294,7 @@ class ChunkStore:
 
     def _read_to_dram(self, ino: int, c: int, loc: Loc, seg, held: DramFile | None,
                       pack: bool, want: bool, have: bytes | bytearray | None = None,
-                      ready: Callable[[], None] | None = None
+                      ready: Callable[[], None] | None = None, into: mmap.mmap | None = None
                       ) -> tuple[bytes | memoryview | None, bool]:
         """Worker thread: `_read_record` (unless the bytes are *have*), and if *held* (the
         chunk's DRAM file, its region claimed) write the bytes (the payload if *pack*) into
@@ -1239,7 +1317,7 @@ class ChunkStore:
         if have is not None:
             return have, held is not None and stage(have)
         if held is None:
-            return self._read_record(ino, c, loc, seg, None), False
+            return self._read_record(ino, c, loc, seg, None, into=into), False
         _test_fetch_delay()
         if pack:
             payload = bytearray(loc.stored_len)
@@ -1260,11 +1338,13 @@ class ChunkStore:
 
     def _read_record(self, ino: int, c: int, loc: Loc, seg, target: memoryview | None,
                      payload_to: memoryview | None = None,
-                     then: Callable[[memoryview], T] | None = None) -> bytes | memoryview | T:
+                     then: Callable[[memoryview], T] | None = None,
+                     into: mmap.mmap | None = None) -> bytes | memoryview | T:
         """Worker thread: read, check, decode (into *target* if given) and verify one
         record; its payload is also copied to *payload_to* if given (a packed copy). With
         *then*, returns then(verified bytes), called while they may still be a view of the
-        read buffer (a raw record is not copied at all)."""
+        read buffer (a raw record is not copied at all). *into*: read into this buffer; a
+        raw record's bytes are returned as a view of it (not copied)."""
         def decode(h: RecordHeader, payload: memoryview) -> bytes | memoryview | T:
             if (h.ino, h.chunk, h.seq) != (ino, c, loc.seq):
                 raise RecordError(f"found inode {h.ino} chunk {h.chunk} seq {h.seq} instead")
@@ -1275,7 +1355,7 @@ class ChunkStore:
                     raise RecordError(f"payload of {len(payload)} bytes in codec {h.codec}, "
                                       f"expected {len(payload_to)} in codec {loc.codec}")
                 payload_to[:] = payload
-            if then is not None and h.codec == CODEC_RAW:
+            if (then is not None or into is not None) and h.codec == CODEC_RAW:
                 data = payload
             elif target is None:
                 data = self.codec.decode(h.codec, payload, h.raw_len)
@@ -1284,10 +1364,14 @@ class ChunkStore:
                 data = target
             if len(data) != loc.raw_len or _hash(data) != loc.checksum:
                 raise _Mismatch
-            return data if then is None else then(data)
+            if then is not None:
+                return then(data)
+            if data is payload:  # (into): a view that outlives the read, unlike *payload*
+                return memoryview(into)[HEADER_SIZE:HEADER_SIZE + len(data)]
+            return data
 
         try:
-            return self.nvme.read_record(seg, loc.off, loc.rec_len, decode)
+            return self.nvme.read_record(seg, loc.off, loc.rec_len, decode, into=into)
         except (RecordError, CodecError, OSError) as exc:
             self.counters.checksum_errors += 1
             raise ChunkError(f"inode {ino} chunk {c}: bad record in segment {loc.seg} at "
@@ -2198,6 +2282,8 @@ class ChunkStore:
                       # their reader into the daemon's memory, and how many it then read
                       "read_ahead_chunks": k.read_ahead,
                       "read_ahead_used_chunks": k.read_ahead_used,
+                      # ... READs answered from them by the front thread (kvfs._fuseshim)
+                      "read_ahead_front_reads": k.front_reads,
                       "latency_us_log2_histogram": list(k.read_latency_us),
                       "dram_latency_us_log2_histogram": list(k.read_latency_dram_us),
                       "nvme_latency_us_log2_histogram": list(k.read_latency_nvme_us)},

@@ -309,13 +309,15 @@ class NvmeLog:
             os.close(seg.fd)
 
     def read_record(self, seg: Segment, off: int, rec_len: int,
-                    consume: Callable[[RecordHeader, memoryview], T] | None = None
-                    ) -> T | tuple[RecordHeader, bytes]:
+                    consume: Callable[[RecordHeader, memoryview], T] | None = None,
+                    into: mmap.mmap | None = None) -> T | tuple[RecordHeader, bytes]:
         """Read and parse one record of a pinned segment (worker thread); the caller checks
         that it is the record it expected. Returns *consume(header, payload)*, called while
         the payload is still a view of the read buffer (no copy; the view must not outlive
-        the call), or without *consume* the header and a copy of the payload."""
-        buf = self.buffers.get(rec_len)
+        the call), or without *consume* the header and a copy of the payload. *into*: read
+        into the caller's buffer (at least *rec_len* bytes), whose payload then starts at
+        HEADER_SIZE and stays there for the caller."""
+        buf = into if into is not None else self.buffers.get(rec_len)
         try:
             with memoryview(buf) as mv:
                 n = os.preadv(seg.fd, [mv[:rec_len]], off)
@@ -332,7 +334,8 @@ class NvmeLog:
                 finally:
                     payload.release()
         finally:
-            self.buffers.put(buf)
+            if into is None:
+                self.buffers.put(buf)
 
     def sync(self) -> None:
         """fdatasync every segment with appended records (worker thread)."""

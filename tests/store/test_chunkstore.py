@@ -7,8 +7,10 @@ import errno
 import json
 import mmap
 import os
+import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -137,6 +139,7 @@ def test_big_files_are_read_through_with_read_ahead(mount_factory):
     st = m.status()
     assert st["reads"]["read_ahead_chunks"] >= 30
     assert st["reads"]["read_ahead_used_chunks"] >= 30
+    assert st["reads"]["read_ahead_front_reads"] > 0  # answered without the trio thread
     # (a chunk counts once per request that reads part of it)
     assert st["reads"]["chunks_from_nvme"] - before["reads"]["chunks_from_nvme"] >= 41
     assert m.tiers("big") == {"nvme"}  # neither staged nor promoted
@@ -181,6 +184,72 @@ def test_big_files_are_read_through_with_read_ahead(mount_factory):
     want[3 * CHUNK + 5:3 * CHUNK + 14] = b"new bytes"
     assert rest == bytes(want[CHUNK:])
     assert (m.path / "big").read_bytes() == bytes(want)
+
+
+def test_reads_answered_from_read_ahead_never_return_bytes_older_than_a_finished_write(
+        mount_factory):
+    """The front thread answers READs of a read-through file from chunks read ahead. A
+    writer rewrites chunks (each new version a pattern naming version and chunk) while
+    readers read the file in chunk-sized preads and a small DRAM tier keeps demoting: no
+    read returns bytes older than a write that had returned before the read began (a read
+    racing a write may see part of each version, as on tmpfs)."""
+    m = mount_factory(read_through_min="512K")
+    nchunks = 32
+
+    def pattern(v: int, c: int) -> bytes:
+        return struct.pack("<II", v, c) * (CHUNK // 8)
+
+    with open(m.path / "f", "wb") as f:
+        f.write(b"".join(pattern(0, c) for c in range(nchunks)))
+    m.unmount()
+    m.lose_dram()
+    m.start()
+    done = [0] * nchunks  # the last version whose write returned, per chunk
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def write() -> None:
+        fd = os.open(m.path / "f", os.O_WRONLY)
+        try:
+            v = 0
+            while not stop.is_set():
+                v += 1
+                for c in range(0, nchunks, 3):
+                    os.pwrite(fd, pattern(v, c), c * CHUNK)
+                    done[c] = v
+                time.sleep(0.01)
+        finally:
+            os.close(fd)
+
+    def read() -> None:
+        while not stop.is_set():
+            fd = os.open(m.path / "f", os.O_RDONLY)
+            try:
+                for c in range(nchunks):
+                    floor = done[c]
+                    got = os.pread(fd, CHUNK, c * CHUNK)
+                    units = set(struct.iter_unpack("<II", got))
+                    if len(got) != CHUNK or min(units)[0] < floor or {u[1] for u in units} != {c}:
+                        errors.append(f"chunk {c}: versions {sorted(units)[:4]}, finished "
+                                      f"{floor}")
+                        return
+            finally:
+                os.close(fd)
+
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read)
+                                                  for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(4)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:3]
+    assert m.status()["reads"]["read_ahead_front_reads"] > 0
+    m.unmount()
+    assert m.fsck().returncode == 0
 
 
 def test_the_predicted_next_read_through_file_is_read_ahead(mount_factory):
