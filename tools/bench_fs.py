@@ -861,8 +861,9 @@ def read_facts(m: KvfsMount, before: dict, extra: dict) -> None:
     """Where the read pass's chunks came from, and the daemon log's complaints."""
     after = m.status()
     extra["read_chunks"] = {
-        k: after["reads"][k] - before["reads"][k]
-        for k in ("chunks_from_dram", "chunks_from_nvme", "checksum_errors")}
+        k: after["reads"].get(k, 0) - before["reads"].get(k, 0)
+        for k in ("chunks_from_dram", "chunks_from_nvme", "checksum_errors",
+                  "read_ahead_front_reads")}
     extra["read_chunks"]["promotions"] = (after["moves"]["promotions"]
                                           - before["moves"]["promotions"])
     nbad, first = m.log_problems()
@@ -1233,6 +1234,9 @@ def placement_note(r: dict) -> str:
         rc = r["read_chunks"]
         line += (f"; reads served {rc['chunks_from_dram']} chunks from DRAM, "
                  f"{rc['chunks_from_nvme']} from NVMe, {rc['promotions']} promoted")
+        if rc.get("read_ahead_front_reads"):
+            line += (f", {rc['read_ahead_front_reads']} READs answered by the front thread "
+                     f"from chunks read ahead")
     if "drain_s" in r:
         line += f"; unmount write-back {r['drain_s']:.1f} s"
     if r.get("daemon_cpu_s") is not None:
