@@ -135,7 +135,13 @@ def test_big_files_are_read_through_with_read_ahead(mount_factory):
     m.lose_dram()  # every chunk on NVMe only
     m.start()
     before = m.status()
-    assert (m.path / "big").read_bytes() == big
+    with open(m.path / "big", "rb", buffering=0) as f:
+        head = f.read(CHUNK)
+        # The chunks read ahead meanwhile are the front thread's to answer from.
+        _wait(lambda: m.status()["reads"]["read_ahead_used_chunks"] >= 1
+              and m.status()["reads"]["read_ahead_chunks"] >= 30)
+        time.sleep(0.2)
+        assert head + f.read() == big
     st = m.status()
     assert st["reads"]["read_ahead_chunks"] >= 30
     assert st["reads"]["read_ahead_used_chunks"] >= 30
@@ -163,6 +169,14 @@ def test_big_files_are_read_through_with_read_ahead(mount_factory):
             if n < CHUNK:  # (the next offset is unaligned: EINVAL)
                 break
         assert bytes(got) == big
+        # Unaligned O_DIRECT reads are EINVAL, also where the chunk was read ahead (the front
+        # thread would answer an aligned one).
+        for off in (0, 20 * CHUNK):
+            assert os.preadv(fd, [buf], off) == CHUNK
+            time.sleep(0.05)
+            with pytest.raises(OSError) as exc:
+                os.preadv(fd, [buf], off + CHUNK + 100)
+            assert exc.value.errno == errno.EINVAL
         for off in (33 * CHUNK, 5 * CHUNK, 20 * CHUNK, 40 * CHUNK):
             n = os.preadv(fd, [buf], off)
             assert buf[:n] == big[off:off + CHUNK]
