@@ -562,6 +562,8 @@ class ChunkStore:
         return loc._replace(flags=SEALED)
 
     def close(self) -> None:
+        for key, ahead in list(self._ahead.items()):
+            self._drop_ahead(key, ahead)  # (withdrawn: no READ copies from them after this)
         with self.meta.write() as txn:
             self.meta.set_counter(txn, b"next_seq", self.seq)
         self.dram.close()
