@@ -454,6 +454,7 @@ cdef extern from *:
          from a prefetch whose entry was revoked changes nothing. */
     #include <poll.h>
     #include <pthread.h>
+    #include <stdarg.h>
     #include <signal.h>
     #include <time.h>
     #include <stdlib.h>
@@ -968,35 +969,33 @@ cdef extern from *:
         return real(se);
     }
 
-    static void kvfs_deliver(struct kvfs_msg *m) {  /* without the lock, on Python's thread */
-        if (m->kind == KVFS_MSG_READ) {
-            if (kvfs_read_fn != NULL) {
-                PyGILState_STATE gil = PyGILState_Ensure();
-                PyObject *r = PyObject_CallFunction(kvfs_read_fn, "KKKIII",
-                    (unsigned long long)m->ino, (unsigned long long)m->fh,
-                    (unsigned long long)m->off, (unsigned int)m->len,
-                    (unsigned int)m->pid, (unsigned int)m->us);
-                if (r == NULL)
-                    PyErr_WriteUnraisable(kvfs_read_fn);
-                else
-                    Py_DECREF(r);
-                PyGILState_Release(gil);
-            }
-            free(m);
+    /* fn(*Py_BuildValue(fmt, ...)) with the GIL; a failure is reported, never raised. */
+    static void kvfs_call(PyObject *fn, const char *fmt, ...) {
+        if (fn == NULL)
             return;
-        }
-        if (kvfs_opened_fn != NULL) {
-            PyGILState_STATE gil = PyGILState_Ensure();
-            PyObject *r = PyObject_CallFunction(kvfs_opened_fn, "KKIIi",
-                (unsigned long long)m->ino, (unsigned long long)m->fh,
-                (unsigned int)m->flags, (unsigned int)m->pid,
-                m->kind == KVFS_MSG_OPENED ? 1 : 0);
-            if (r == NULL)
-                PyErr_WriteUnraisable(kvfs_opened_fn);
-            else
-                Py_DECREF(r);
-            PyGILState_Release(gil);
-        }
+        PyGILState_STATE gil = PyGILState_Ensure();
+        va_list va;
+        va_start(va, fmt);
+        PyObject *args = Py_VaBuildValue(fmt, va);
+        va_end(va);
+        PyObject *r = args != NULL ? PyObject_CallObject(fn, args) : NULL;
+        Py_XDECREF(args);
+        if (r == NULL)
+            PyErr_WriteUnraisable(fn);
+        else
+            Py_DECREF(r);
+        PyGILState_Release(gil);
+    }
+
+    static void kvfs_deliver(struct kvfs_msg *m) {  /* without the lock, on Python's thread */
+        if (m->kind == KVFS_MSG_READ)
+            kvfs_call(kvfs_read_fn, "(KKKIII)", (unsigned long long)m->ino,
+                      (unsigned long long)m->fh, (unsigned long long)m->off,
+                      (unsigned int)m->len, (unsigned int)m->pid, (unsigned int)m->us);
+        else
+            kvfs_call(kvfs_opened_fn, "(KKIIi)", (unsigned long long)m->ino,
+                      (unsigned long long)m->fh, (unsigned int)m->flags, (unsigned int)m->pid,
+                      m->kind == KVFS_MSG_OPENED ? 1 : 0);
         free(m);
     }
 

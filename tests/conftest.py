@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -157,6 +158,26 @@ def mount_factory(tmp_path):
                     pass
             subprocess.run(["fusermount3", "-u", "-z", str(m.path)], capture_output=True)
         remove_dram_dir(str(m.dram_dir))  # and the tmpfs of its own the daemon mounted
+
+
+@pytest.fixture
+def race():
+    """race(targets, seconds, stop): run each of *targets* in a thread of its own for
+    *seconds*, then set *stop* and join them, also when something fails meanwhile (a
+    thread left spinning would keep the mount busy)."""
+    def run(targets, seconds: float, stop: threading.Event) -> None:
+        threads = [threading.Thread(target=t) for t in targets]
+        try:
+            for t in threads:
+                t.start()
+            time.sleep(seconds)
+        finally:
+            stop.set()
+            for t in threads:
+                if t.ident is not None:  # (started)
+                    t.join()
+
+    return run
 
 
 @pytest.fixture

@@ -612,7 +612,8 @@ def test_a_file_changed_after_its_fast_opens_reads_the_new_bytes(mount_factory):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_fast_opens_racing_replacement_and_demotion_read_whole_versions(mount_factory):
+def test_fast_opens_racing_replacement_and_demotion_read_whole_versions(mount_factory,
+                                                                           race):
     """Readers keep opening resident files (most opens answered by the front thread) while
     another thread replaces them with new versions (os.replace) and a third pushes
     everything towards NVMe with new files. Every read is one whole version of its file:
@@ -659,13 +660,7 @@ def test_fast_opens_racing_replacement_and_demotion_read_whole_versions(mount_fa
             (m.path / f"flood{i % 64}").write_bytes(os.urandom(256 << 10))
             i += 1
 
-    threads = [threading.Thread(target=f) for f in (reader, reader, replacer, flooder)]
-    for t in threads:
-        t.start()
-    time.sleep(4)
-    stop.set()
-    for t in threads:
-        t.join()
+    race((reader, reader, replacer, flooder), 4, stop)
     assert not errors, errors[:5]
     assert reads[0] > 100
     assert _fast(m)[0] > 0

@@ -201,7 +201,7 @@ def test_big_files_are_read_through_with_read_ahead(mount_factory):
 
 
 def test_reads_answered_from_read_ahead_never_return_bytes_older_than_a_finished_write(
-        mount_factory):
+        mount_factory, race):
     """The front thread answers READs of a read-through file from chunks read ahead. A
     writer rewrites chunks (each new version a pattern naming version and chunk) while
     readers read the file in chunk-sized preads and a small DRAM tier keeps demoting: no
@@ -250,16 +250,7 @@ def test_reads_answered_from_read_ahead_never_return_bytes_older_than_a_finished
             finally:
                 os.close(fd)
 
-    threads = [threading.Thread(target=write)] + [threading.Thread(target=read)
-                                                  for _ in range(2)]
-    for t in threads:
-        t.start()
-    try:
-        time.sleep(4)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
+    race((write, read, read), 4, stop)
     assert not errors, errors[:3]
     assert m.status()["reads"]["read_ahead_front_reads"] > 0
     m.unmount()
