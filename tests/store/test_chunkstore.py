@@ -257,6 +257,39 @@ def test_reads_answered_from_read_ahead_never_return_bytes_older_than_a_finished
     assert m.fsck().returncode == 0
 
 
+def test_read_through_files_read_by_several_readers_and_mapped(mount_factory, race):
+    """Readers of one read-through file at once (the front thread consumes a chunk at one
+    reader's READ of its end; the others read it again from NVMe), and mmap(MAP_PRIVATE)
+    of it meanwhile: every byte as written."""
+    m = mount_factory(read_through_min="512K")
+    big = os.urandom(24 * CHUNK + 4096)
+    (m.path / "big").write_bytes(big)
+    m.unmount()
+    m.lose_dram()
+    m.start()
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def read() -> None:
+        while not stop.is_set():
+            with open(m.path / "big", "rb", buffering=0) as f:
+                got = b"".join(iter(lambda: f.read(CHUNK), b""))
+            if got != big:
+                errors.append(f"read {len(got)} bytes, not the file")
+
+    def mapped() -> None:
+        while not stop.is_set():
+            with open(m.path / "big", "rb") as f, \
+                    mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                              prot=mmap.PROT_READ) as mm:
+                if mm[:] != big:
+                    errors.append("the mapping differs from the file")
+
+    race((read, read, read, mapped), 3, stop)
+    assert not errors, errors[:3]
+    assert m.status()["reads"]["read_ahead_front_reads"] > 0
+
+
 def test_the_predicted_next_read_through_file_is_read_ahead(mount_factory):
     """Files written one after another are read in that order: while one read-through file
     is read, the next one's first chunks are being read ahead already (write-order chain).
