@@ -73,7 +73,9 @@ def print_status(st: dict) -> None:
               f"{pt.get('fast_open_parked', 0)} opens waited there for a prefetch)")
     if r.get("read_ahead_chunks"):
         print(f"read-through files: {r['read_ahead_chunks']} NVMe chunks read ahead into "
-              f"memory, {r.get('read_ahead_used_chunks', 0)} of them read")
+              f"memory, {r.get('read_ahead_used_chunks', 0)} of them read; "
+              f"{r.get('read_ahead_front_reads', 0)} READs answered from them by the front "
+              f"thread")
     pf = st.get("prefetch")
     if pf:
         used, issued = pf.get("used_chunks", 0), pf.get("issued_chunks", 0)

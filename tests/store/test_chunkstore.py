@@ -152,6 +152,7 @@ def test_big_files_are_read_through_with_read_ahead(mount_factory):
     table = subprocess.run([sys.executable, "-m", "kvfs.cli.ctl", "status", str(m.path)],
                            capture_output=True, text=True, check=True).stdout
     assert "NVMe chunks read ahead into memory" in table
+    assert "READs answered from them by the front thread" in table
     # A small file is still brought into DRAM for its reader (staged by its open, or
     # prefetched: the write order predicts it) and read by the kernel.
     assert (m.path / "small").read_bytes() == small
