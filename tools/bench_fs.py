@@ -59,7 +59,7 @@ a daemon that keeps the benchmark stuck, and any phase longer than --timeout). R
 
     python tools/bench_fs.py [--sizes 256K,4M,32M] [--total 512M] [--repeat N]
                              [--stat median|best] [--configs tmpfs,fuse-null,...]
-                             [--write-size SIZE]
+                             [--write-size SIZE] [--read-direct]
                              [--json | --json-out FILE] [--profile DIR [--profile-native]]
 
 With --stat best the table shows the best run and ratios are best over best. With --profile
@@ -206,6 +206,9 @@ def random_blocks(max_size: int) -> Blocks:
 # Bytes per write() call (--write-size); 0: each file in one call. A stdio writer such as
 # llama.cpp's hands the kernel 4 KiB at a time.
 WRITE_PIECE = 0
+# --read-direct: every read pass opens its files O_DIRECT (vLLM's file tier reads so), not
+# only the disk's.
+READ_DIRECT = False
 
 
 def write_files(paths: list[str], size: int, blocks: Blocks, direct: bool,
@@ -230,7 +233,7 @@ def read_files(paths: list[str], size: int, blocks: Blocks, buf: memoryview, dir
                verify: bool, lat: list[float] | None = None, first: int = 0) -> float:
     """Seconds spent in open/read/close only; the check against the source (paths[i] holds
     block first+i) is not timed. Each file's time is appended to *lat*."""
-    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    flags = os.O_RDONLY | (os.O_DIRECT if direct or READ_DIRECT else 0)
     target = buf[:size]
     got = np.frombuffer(buf, dtype=np.uint8, count=size)
     elapsed = 0.0
@@ -1390,6 +1393,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write-size", type=parse_size, default=0, metavar="SIZE",
                     help="write each file SIZE bytes per write() call (a multiple of 4 KiB; "
                          "default: the whole file in one call)")
+    ap.add_argument("--read-direct", action="store_true",
+                    help="read every configuration's files with O_DIRECT, as vLLM's file tier "
+                         "does (default: only the disk's; kvfs then answers through the "
+                         "daemon, never by passthrough)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds of everything, configurations interleaved (default 1)")
     ap.add_argument("--stat", choices=("median", "best"), default="median",
@@ -1431,8 +1438,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("sizes must be positive multiples of 4 KiB (O_DIRECT on the disk)")
     if args.write_size < 0 or args.write_size % 4096:
         ap.error("--write-size must be a multiple of 4 KiB (O_DIRECT on the disk)")
-    global WRITE_PIECE
+    global WRITE_PIECE, READ_DIRECT
     WRITE_PIECE = args.write_size
+    READ_DIRECT = args.read_direct
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if bad := [c for c in configs if c not in CONFIGS]:
         ap.error(f"unknown configuration(s) {bad}; choose from {list(CONFIGS)}")
@@ -1475,7 +1483,8 @@ def main(argv: list[str] | None = None) -> int:
         f"tmpfs: {mount_info('/dev/shm')}; disk: {args.base_dir} = {mount_info(args.base_dir)}",
         f"data: {data['kv'].source}, cycled; {fmt_size(args.total)} per configuration and "
         f"size; reads {'verified' if args.verify else 'not verified'}; written "
-        f"{fmt_size(WRITE_PIECE) + ' per write()' if WRITE_PIECE else 'in one write() a file'}",
+        f"{fmt_size(WRITE_PIECE) + ' per write()' if WRITE_PIECE else 'in one write() a file'}"
+        f"{'; every read O_DIRECT' if READ_DIRECT else ''}",
         "order: each round runs every configuration per size, interleaved, reversed in every "
         "other round; ratios are paired within a round",
     ]
