@@ -1013,11 +1013,9 @@ class ChunkStore:
         self._sequential_read(ino, first, last, self._nchunks(file_size))
         self._next_read[ino] = (off + size) // cs
         self.counters.front_reads += 1
-        bucket = min(23, us.bit_length())
         for c in range(first, last + 1):
             self.counters.chunks_from_nvme += 1
-            self.counters.read_latency_us[bucket] += 1
-            self.counters.read_latency_nvme_us[bucket] += 1
+            self._record_us(us, self.counters.read_latency_nvme_us)
             ahead = self._ahead.get((ino, c))
             if ahead is None or ahead.data is None:
                 continue
@@ -1126,9 +1124,13 @@ class ChunkStore:
         return data
 
     def _record_latency(self, t0: float, tier: list[int]) -> None:
-        us = int((time.perf_counter() - t0) * 1e6)
-        self.counters.read_latency_us[min(23, us.bit_length())] += 1
-        tier[min(23, us.bit_length())] += 1
+        self._record_us(int((time.perf_counter() - t0) * 1e6), tier)
+
+    def _record_us(self, us: int, tier: list[int]) -> None:
+        """A read of *us* microseconds in the histograms (log2 buckets): all, and *tier*'s."""
+        bucket = min(23, us.bit_length())
+        self.counters.read_latency_us[bucket] += 1
+        tier[bucket] += 1
 
     def _prefetch_used(self, key: tuple[int, int]) -> None:
         if key in self.prefetched:
