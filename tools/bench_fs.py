@@ -59,8 +59,14 @@ a daemon that keeps the benchmark stuck, and any phase longer than --timeout). R
 
     python tools/bench_fs.py [--sizes 256K,4M,32M] [--total 512M] [--repeat N]
                              [--stat median|best] [--configs tmpfs,fuse-null,...]
-                             [--write-size SIZE] [--read-direct]
+                             [--write-size SIZE] [--read-direct] [--disk-read-limit RATE]
                              [--json | --json-out FILE] [--profile DIR [--profile-native]]
+
+--disk-read-limit 1G caps the disk's reads at 1 GiB/s for the whole run (the disk baseline and
+the daemons alike, a cgroup): a slower or busier SSD than this one, where the disk rather than
+the CPU sets the pace of NVMe-resident reads, as compression is meant for. The cap is loose:
+the kernel lets a group that was idle burst, so the paired batches get more (under a 400 MiB/s
+cap with --total 2G the disk baseline read 0.47 GiB/s; a 1 GiB/s cap did not hold at all).
 
 With --stat best the table shows the best run and ratios are best over best. With --profile
 DIR, py-spy samples the daemon during each timed FUSE phase and the top hotspots are printed
@@ -264,6 +270,50 @@ def read_files(paths: list[str], size: int, blocks: Blocks, buf: memoryview, dir
 def file_paths(directory: str, n: int) -> list[str]:
     os.makedirs(directory, exist_ok=True)
     return [os.path.join(directory, f"blk{i:06d}.kv") for i in range(n)]
+
+
+class DiskReadLimit:
+    """Reads from the disk under *path* capped at *bps* bytes/s for this process and every
+    process it starts from now on (the daemons included): a cgroup of its own, io.max on
+    cgroup v2, blkio.throttle on v1. It stands in for a slower or busier SSD than this one,
+    where the disk, not the CPU, sets the pace of NVMe-resident reads."""
+
+    V2 = Path("/sys/fs/cgroup")
+    V1 = Path("/sys/fs/cgroup/blkio")
+
+    def __init__(self, path: str, bps: int) -> None:
+        st = os.stat(path)
+        dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+        if not dev.exists():
+            raise BenchError(f"{path} is not on a block device: no disk read limit possible")
+        if (dev / "partition").exists():  # throttles apply to the whole disk
+            dev = dev.resolve().parent
+        self.device = (dev / "dev").read_text().strip()
+        name = f"kvfs-bench-{os.getpid()}"
+        if "io" in self._read(self.V2 / "cgroup.controllers").split():
+            self.parent, self.group = self.V2, self.V2 / name
+            knob, value = "io.max", f"{self.device} rbps={bps}"
+        elif (self.V1 / "blkio.throttle.read_bps_device").exists():
+            self.parent, self.group = self.V1, self.V1 / name
+            knob, value = "blkio.throttle.read_bps_device", f"{self.device} {bps}"
+        else:
+            raise BenchError("no cgroup io controller (v2 io.max or v1 blkio) to limit reads")
+        self.group.mkdir(exist_ok=True)
+        (self.group / knob).write_text(value + "\n")
+        (self.group / "cgroup.procs").write_text(f"{os.getpid()}\n")
+
+    @staticmethod
+    def _read(path: Path) -> str:
+        try:
+            return path.read_text()
+        except OSError:
+            return ""
+
+    def remove(self) -> None:
+        """Back to the parent group; the group goes once its last process has left."""
+        with contextlib.suppress(OSError):
+            (self.parent / "cgroup.procs").write_text(f"{os.getpid()}\n")
+            self.group.rmdir()
 
 
 def drop_caches() -> bool:
@@ -1424,6 +1474,10 @@ def main(argv: list[str] | None = None) -> int:
                          "dram_huge (default none)")
     ap.add_argument("--no-verify", dest="verify", action="store_false",
                     help="do not compare the bytes read with the bytes written")
+    ap.add_argument("--disk-read-limit", type=parse_size, default=0, metavar="RATE",
+                    help="cap reads from the disk under --base-dir at RATE bytes/s (e.g. 1G) "
+                         "for the whole run, daemons included: a slower SSD than this one "
+                         "(default: no cap)")
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="py-spy the daemon during each timed FUSE phase; raw stacks to DIR")
     ap.add_argument("--profile-native", action="store_true",
@@ -1453,11 +1507,23 @@ def main(argv: list[str] | None = None) -> int:
     WATCHDOG.install()
     t_start = time.monotonic()
 
+    limit = None
     try:
         env = kvfs_env()
-    except BenchError as exc:
+        if args.disk_read_limit:
+            limit = DiskReadLimit(args.base_dir, args.disk_read_limit)
+    except (BenchError, OSError) as exc:
         log(f"bench_fs: {exc}")
         return 2
+    try:
+        return run(args, sizes, configs, env, limit, t_start, argv)
+    finally:
+        if limit is not None:
+            limit.remove()
+
+
+def run(args, sizes: list[int], configs: list[str], env: dict, limit: DiskReadLimit | None,
+        t_start: float, argv: list[str] | None) -> int:
     data = {"kv": kv_blocks(DATA, max(sizes))}
     if any(c in WRITE_ONLY for c in configs):
         data["random"] = random_blocks(max(sizes))  # generated once, outside any timing
@@ -1480,7 +1546,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{'; also -o ' + args.kvfs_options if args.kvfs_options else ''}",
         f"machine: {os.cpu_count()} CPUs, {platform.node()}, Linux {platform.release()}, "
         f"Python {platform.python_version()}",
-        f"tmpfs: {mount_info('/dev/shm')}; disk: {args.base_dir} = {mount_info(args.base_dir)}",
+        f"tmpfs: {mount_info('/dev/shm')}; disk: {args.base_dir} = {mount_info(args.base_dir)}"
+        + (f"; its reads capped at {fmt_size(args.disk_read_limit)}/s (device {limit.device}, "
+           f"{limit.group})" if limit else ""),
         f"data: {data['kv'].source}, cycled; {fmt_size(args.total)} per configuration and "
         f"size; reads {'verified' if args.verify else 'not verified'}; written "
         f"{fmt_size(WRITE_PIECE) + ' per write()' if WRITE_PIECE else 'in one write() a file'}"
