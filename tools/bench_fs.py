@@ -293,6 +293,8 @@ class DiskReadLimit:
         if "io" in self._read(self.V2 / "cgroup.controllers").split():
             self.parent, self.group = self.V2, self.V2 / name
             knob, value = "io.max", f"{self.device} rbps={bps}"
+            if "io" not in self._read(self.V2 / "cgroup.subtree_control").split():
+                (self.V2 / "cgroup.subtree_control").write_text("+io\n")
         elif (self.V1 / "blkio.throttle.read_bps_device").exists():
             self.parent, self.group = self.V1, self.V1 / name
             knob, value = "blkio.throttle.read_bps_device", f"{self.device} {bps}"
