@@ -169,11 +169,21 @@ class SuccessorGraph:
             return None
         return out[-1][0], out[-1][1]
 
+    def unsettled(self, a: int) -> bool:
+        """Has *a* been followed by a different file almost every time? (Its most recent
+        successor is new, and so were the ones before it.) A block every request starts with,
+        such as a shared system prompt, is such a hub: its most recent successor names the last
+        request's next block, not the next request's, so a walk stops there."""
+        out = self.succ.get(a)
+        return out is not None and len(out) >= 3 and all(edge[2] == 1 for edge in out)
+
     def chain(self, a: int, limit: int) -> Iterator[tuple[int, str]]:
         """Up to *limit* files predicted to follow *a*, in order, each with the kind of the
         edge that led to it. Stops at a file already on the chain (no cycles)."""
         seen = {a}
         for _ in range(limit):
+            if self.unsettled(a):
+                return
             step = self.next(a)
             if step is None or step[0] in seen:
                 return

@@ -146,6 +146,23 @@ def test_graph_chain_stops_at_cycles_and_limit():
     assert g.next(4) is None
 
 
+def test_graph_chain_stops_at_a_hub():
+    g = SuccessorGraph()
+    # every request starts with block 0 (a shared system prompt), then goes its own way
+    for first in (10, 20, 30):
+        g.link(0, first, KIND_WRITE)
+        g.link(first, first + 1, KIND_WRITE)
+    assert g.unsettled(0) and list(g.chain(0, 10)) == []
+    assert [b for b, _ in g.chain(30, 10)] == [31]
+    g.link(5, 0, KIND_READ)
+    assert [b for b, _ in g.chain(5, 10)] == [0]  # a walk that reaches the hub ends there
+    g.link(0, 30, KIND_READ)  # a successor seen twice: followed again
+    assert not g.unsettled(0) and [b for b, _ in g.chain(0, 10)] == [30, 31]
+    g.link(1, 2, KIND_WRITE)
+    g.link(1, 3, KIND_READ)  # two successors are a fork, not a hub: the newest is followed
+    assert not g.unsettled(1) and g.next(1) == (3, KIND_READ)
+
+
 def test_graph_bounds_fanout_and_nodes():
     g = SuccessorGraph(max_nodes=5, fanout=2)
     for b in range(10, 20):
