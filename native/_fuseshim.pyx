@@ -14,6 +14,10 @@ libfuse functions are found before libfuse's own when pyfuse3 calls them:
   request came through a pipe) into the DRAM arena file, instead of into a bytes object
   that kvfs then copies again (kvfs.fs.Operations.write_plan / write_done). Every other
   write goes to pyfuse3's handler unchanged.
+- pyfuse3's `read` handler and the write path check O_DIRECT alignment against the flags
+  each READ and WRITE carries (the descriptor's flags now, so O_DIRECT set later with
+  fcntl(F_SETFL) counts too) and answer EINVAL to unaligned offsets and lengths, as ext4
+  does.
 - `fuse_reply_buf` and `fuse_buf_copy`: pyfuse3 replies to a read (copying up to 1 MiB into
   the kernel) and copies a write's data out of libfuse's buffer while holding the GIL, so
   the worker threads that decode and compress chunks stall behind every large request.
@@ -36,6 +40,7 @@ cdef extern from *:
     #define FUSE_USE_VERSION 35
     #include <dlfcn.h>
     #include <errno.h>
+    #include <fcntl.h>
     #include <string.h>
     #include <fuse_lowlevel.h>
 
@@ -82,6 +87,29 @@ cdef extern from *:
         kvfs_pyfuse3_getxattr(req, ino, name, size);
     }
 
+    /* O_DIRECT alignment, checked here from the flags the kernel sends with every READ and
+       WRITE (the descriptor's current ones: O_DIRECT set later with fcntl(F_SETFL) counts,
+       which kvfs, knowing only the flags of the open, would miss). Unaligned offsets or
+       lengths get EINVAL, as on ext4. */
+    #define KVFS_DIRECT_ALIGN 512
+    static void (*kvfs_pyfuse3_read)(fuse_req_t, fuse_ino_t, size_t, off_t,
+                                     struct fuse_file_info *) = NULL;
+
+    static int kvfs_misaligned(const struct fuse_file_info *fi, off_t off, size_t size) {
+        return fi != NULL && (fi->flags & O_DIRECT)
+               && (((unsigned long long)off | (unsigned long long)size)
+                   & (KVFS_DIRECT_ALIGN - 1));
+    }
+
+    static void kvfs_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                          struct fuse_file_info *fi) {
+        if (kvfs_misaligned(fi, off, size)) {
+            fuse_reply_err(req, EINVAL);
+            return;
+        }
+        kvfs_pyfuse3_read(req, ino, size, off, fi);
+    }
+
     static PyObject *kvfs_write_plan_fn = NULL;
     static PyObject *kvfs_write_done_fn = NULL;
     static void (*kvfs_pyfuse3_write_buf)(fuse_req_t, fuse_ino_t, struct fuse_bufvec *, off_t,
@@ -109,6 +137,10 @@ cdef extern from *:
 
     static void kvfs_write_buf(fuse_req_t req, fuse_ino_t ino, struct fuse_bufvec *bufv,
                                off_t off, struct fuse_file_info *fi) {
+        if (kvfs_misaligned(fi, off, fuse_buf_size(bufv))) {
+            fuse_reply_err(req, EINVAL);
+            return;
+        }
         if (kvfs_write_plan_fn == NULL) {
             kvfs_pyfuse3_write_buf(req, ino, bufv, off, fi);
             return;
@@ -187,6 +219,10 @@ cdef extern from *:
         if (kvfs_ops.write_buf != NULL) {
             kvfs_pyfuse3_write_buf = kvfs_ops.write_buf;
             kvfs_ops.write_buf = kvfs_write_buf;
+        }
+        if (kvfs_ops.read != NULL) {
+            kvfs_pyfuse3_read = kvfs_ops.read;
+            kvfs_ops.read = kvfs_read;
         }
         if (kvfs_ops.getxattr != NULL) {
             kvfs_pyfuse3_getxattr = kvfs_ops.getxattr;
