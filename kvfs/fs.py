@@ -72,6 +72,9 @@ XATTR_SIZE_MAX = 65536
 BLOCK_SIZE = 4096  # st_blksize and f_bsize: what stdio and O_DIRECT users align to
 CONTROL_PREFIX = b"user.kvfs."
 FILE_CAPS = b"security.capability"
+# Extended attribute namespaces kept (system.* would be ACLs, which kvfs does not have); any
+# other name is EOPNOTSUPP, as on tmpfs and ext4 (the kernel passes every name to FUSE).
+XATTR_NAMESPACES = (b"user.", b"trusted.", b"security.")
 FALLOC_FL_KEEP_SIZE = 0x01
 # A file the kernel wrote is taken (hashed, recorded) after its last close, when no request
 # is waiting (see Operations.run_takes); at most TAKE_BACKLOG files wait, none over TAKE_WAIT_S.
@@ -914,8 +917,7 @@ class Operations(pyfuse3.Operations):
         if self.control.handles(name):
             self.control.set(inode, name[len(CONTROL_PREFIX):], value)
             return
-        if name.startswith(b"system."):
-            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)  # no ACLs: like tmpfs without acl
+        self._check_xattr_name(name)
         if len(value) > XATTR_SIZE_MAX:
             raise pyfuse3.FUSEError(errno.E2BIG)
         self.ns.setxattr(inode, name, value)
@@ -926,6 +928,7 @@ class Operations(pyfuse3.Operations):
             await self.finish_takes()  # `where` and `status` count closed files as taken
             return self.control.get(inode, name[len(CONTROL_PREFIX):])
         self.ns.get(inode)
+        self._check_xattr_name(name)
         value = self.ns.getxattr(inode, name)
         if value is None:
             raise pyfuse3.FUSEError(errno.ENODATA)
@@ -938,7 +941,13 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def removexattr(self, inode, name, ctx):
+        self._check_xattr_name(name)
         self.ns.removexattr(inode, name)
+
+    @staticmethod
+    def _check_xattr_name(name: bytes) -> None:
+        if not name.startswith(XATTR_NAMESPACES):  # system.* (ACLs) included: like tmpfs
+            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)  # without them
 
     # -- fallocate (called synchronously by kvfs._fuseshim, not by pyfuse3) ------------------
     def fallocate_sync(self, ino: int, mode: int, offset: int, length: int, fh: int) -> int:

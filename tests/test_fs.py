@@ -269,6 +269,12 @@ def test_attributes_links_xattrs(kv):
     os.removexattr(h, "user.model")
     assert _err(os.getxattr, h, "user.model") == errno.ENODATA
     assert _err(os.removexattr, h, "user.model") == errno.ENODATA
+    # names outside user., trusted. and security. are EOPNOTSUPP, as on tmpfs
+    assert _err(os.setxattr, h, "bogus.model", b"x") == errno.EOPNOTSUPP
+    assert _err(os.getxattr, h, "bogus.model") == errno.EOPNOTSUPP
+    assert _err(os.removexattr, h, "bogus.model") == errno.EOPNOTSUPP
+    os.setxattr(h, "trusted.model", b"t")
+    assert os.getxattr(h, "trusted.model") == b"t"
 
 
 def test_concurrent_pwrite_pread_one_file(kv):
