@@ -393,6 +393,12 @@ class Operations(pyfuse3.Operations):
             return self.backing[ino][0], False, writer
         if (expected := self._stream_size(node, flags, self._parent(ino))) is not None:
             return self._start_writing(ino, expected)
+        if writer:
+            # The front thread's entry holds the backing id, which would make this open carry
+            # it too, and a shared writable mmap() of it would then map the DRAM file itself,
+            # behind kvfs's back; without the id such a mapping is refused (ENODEV). (While
+            # readers hold passthrough opens the id must stay: docs/DESIGN.md, known gap.)
+            self.revoke(ino)
         reader = not writer and not flags & os.O_DIRECT
         # a reader of a file on NVMe: bring it into DRAM first, the kernel reads it from there
         staged = await self.store.stage_file(ino, node.size) if reader else -1

@@ -121,6 +121,29 @@ def test_mmap_private_read(kv):
     assert p.read_bytes() == data
 
 
+def test_shared_writable_mmap_is_refused_not_let_past_kvfs(kv):
+    p = kv.path / "mapped"
+    data = os.urandom(16384)
+    p.write_bytes(data)
+    kv.status()  # taken, and in the front thread's table: opens for reading are passthrough
+    assert p.read_bytes() == data
+    fd = os.open(p, os.O_RDWR)
+    try:
+        with pytest.raises(OSError) as ei:
+            mmap.mmap(fd, len(data), flags=mmap.MAP_SHARED)
+        assert ei.value.errno == errno.ENODEV
+        private = mmap.mmap(fd, len(data), flags=mmap.MAP_PRIVATE)
+        private[0:4] = b"PRIV"  # a private copy: the file does not change
+        private.close()
+        assert os.pwrite(fd, b"WRIT", 0) == 4
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == b"WRIT" + data[4:]
+    kv.unmount()
+    kv.start()
+    assert p.read_bytes() == b"WRIT" + data[4:]
+
+
 @pytest.mark.xfail(strict=True, reason="known gap: a shared writable mapping of a file in "
                    "passthrough mode writes its DRAM file behind kvfs's back (docs/DESIGN.md)")
 def test_shared_writable_mmap_of_a_file_read_by_passthrough(kv):
