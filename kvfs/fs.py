@@ -111,6 +111,7 @@ class Handle:
     flags: int
     pid: int = 0
     backed: bool = False  # carries its inode's passthrough backing id
+    via_daemon: bool = False  # its reads and writes come here (direct_io)
     streams: bool = False  # writes a file the kernel writes straight into its DRAM file
     # Chunks (chunk, seq) whose checksum this handle already verified: a sequence of small
     # reads checks each chunk once, not once per read.
@@ -362,7 +363,8 @@ class Operations(pyfuse3.Operations):
         its open reply for passthrough."""
         fh = next(self._fh)
         self._add_handle(fh, inode, Handle(inode.ino, flags, pid, backed=mode is not None,
-                                           streams=mode is not None and mode[2]))
+                                           streams=mode is not None and mode[2],
+                                           via_daemon=mode is None or mode[1]))
         if mode is not None:
             self.shim.mark_passthrough(fh, mode[0], mode[1])
         # direct_io: every read and write reaches kvfs in requests of up to 1 MiB (twice the
@@ -394,11 +396,14 @@ class Operations(pyfuse3.Operations):
         if (expected := self._stream_size(node, flags, self._parent(ino))) is not None:
             return self._start_writing(ino, expected)
         if writer:
-            # The front thread's entry holds the backing id, which would make this open carry
-            # it too, and a shared writable mmap() of it would then map the DRAM file itself,
-            # behind kvfs's back; without the id such a mapping is refused (ENODEV). (While
-            # readers hold passthrough opens the id must stay: docs/DESIGN.md, known gap.)
+            # An open carrying the backing id can be mmap()ed shared and writable, and such a
+            # mapping writes the DRAM file itself, behind kvfs's back. The front thread's
+            # entry holds the id: without it (and no reader holding it) the open is an
+            # ordinary one, whose shared mappings are refused (ENODEV). While readers hold
+            # it, this open must carry it too: the file becomes one the kernel writes.
             self.revoke(ino)
+            if ino in self.backing and (adopted := self._adopt_writer(node, flags)) is not None:
+                return adopted
         reader = not writer and not flags & os.O_DIRECT
         # a reader of a file on NVMe: bring it into DRAM first, the kernel reads it from there
         staged = await self.store.stage_file(ino, node.size) if reader else -1
@@ -440,6 +445,24 @@ class Operations(pyfuse3.Operations):
         self.backing[ino] = [backing_id, 1]
         self.writers[ino] = 1
         return backing_id, False, True
+
+    def _adopt_writer(self, node: Inode, flags: int) -> tuple[int, bool, bool] | None:
+        """A writable open of a file in passthrough mode: the kernel writes the file's DRAM
+        file from now on, as for a new file (`_start_writing`), and kvfs takes its bytes at
+        the last writer's close. Not for O_DIRECT opens (their alignment rule), nor while an
+        open of the file reads or writes through kvfs, whose checks would meet bytes the
+        kernel changed: such an open carries the id with direct_io (docs/DESIGN.md)."""
+        ino = node.ino
+        if flags & os.O_DIRECT or any(h.via_daemon for h in self.handles.values()
+                                      if h.ino == ino):
+            return None
+        if not self.store.adopt_stream(ino):
+            return None
+        self.store.pin_passthrough(ino, node.size, reads=False)
+        b = self.backing[ino]
+        b[1] += 1
+        self.writers[ino] = 1
+        return b[0], False, True
 
     def _backing_open(self, fd: int) -> int | None:
         """The backing id of a DRAM file, or None (and no more passthrough) if the kernel

@@ -96,7 +96,7 @@ cdef extern from *:
                                      struct fuse_file_info *) = NULL;
 
     static int kvfs_misaligned(const struct fuse_file_info *fi, off_t off, size_t size) {
-        return fi != NULL && (fi->flags & O_DIRECT)
+        return fi != NULL && !fi->writepage && (fi->flags & O_DIRECT)
                && (((unsigned long long)off | (unsigned long long)size)
                    & (KVFS_DIRECT_ALIGN - 1));
     }

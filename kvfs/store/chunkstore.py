@@ -232,6 +232,7 @@ class Counters:
     passthrough_chunks: int = 0  # ... their chunks (in chunks_from_dram, or from_nvme if:)
     staged_chunks: int = 0  # ... brought in from NVMe for such an open (stage_file)
     stream_opens: int = 0  # new files the kernel wrote straight into their DRAM file
+    stream_adoptions: int = 0  # files in passthrough mode it went on to write (adopt_stream)
     streamed_chunks: int = 0  # ... chunks taken from them (at close or fsync)
     unpacked: int = 0  # DRAM hits that decoded a packed copy
     read_ahead: int = 0  # NVMe chunks read ahead of a read-through reader (into memory)
@@ -1533,6 +1534,23 @@ class ChunkStore:
         self.counters.stream_opens += 1
         return self.dram.extend(ino, 0)
 
+    def adopt_stream(self, ino: int) -> bool:
+        """The kernel will write *ino*, a file wholly in its DRAM file (open in passthrough
+        mode), straight into it from now on, as it writes a new file (`start_stream`), until
+        `take_stream(ino, done=True)`: a writable open of a file the kernel reads without us
+        must carry its backing id, and a shared mapping of it writes the DRAM file. Recorded
+        in lmdb as `start_stream` does. False if it may not be (dram_compress, too many).
+        Its chunks stay as recorded until that take; a write-back meanwhile that finds one
+        changed leaves it to the take (an fsync takes first)."""
+        if self.dram_compress or len(self.streaming) >= STREAMS_MAX or ino in self.streaming:
+            return False
+        with self.meta.write() as txn:
+            txn.put(u64(ino), b"", db=self.meta.db["writers"])
+        self.streaming[ino] = 0  # nothing promised: its bytes are in DRAM already
+        self.dram.pin(ino)
+        self.counters.stream_adoptions += 1
+        return True
+
     def stream_size(self, ino: int) -> int:
         """The length of a file being written by the kernel: its DRAM file's."""
         return self.dram.size(ino)
@@ -1946,6 +1964,11 @@ class ChunkStore:
                 if not self._still_dirty(job):
                     done[job.i] = False
                     continue
+                if job.mismatch and job.ino in self.streaming:
+                    # the kernel writes the file (an adopted one: `adopt_stream`); its next
+                    # take records the bytes it holds then
+                    done[job.i] = False
+                    continue
                 if job.mismatch:  # the bytes read are not the ones sealed, and no write says why
                     log.error("inode %d chunk %d: its DRAM copy does not match its checksum; "
                               "not written back", job.ino, job.c)
@@ -2298,7 +2321,8 @@ class ChunkStore:
             "passthrough": {"opens": k.passthrough_opens, "chunks": k.passthrough_chunks,
                             "staged_chunks": k.staged_chunks,
                             "open_files": len(self.dram.pins),
-                            "write_opens": k.stream_opens, "written_chunks": k.streamed_chunks,
+                            "write_opens": k.stream_opens, "adopted_files": k.stream_adoptions,
+                            "written_chunks": k.streamed_chunks,
                             "writing_files": len(self.streaming)},
             # files whose codec was chosen by trial vs taken from their directory (choices.py)
             "codec_choices": {"full": self.choices.full, "taken": self.choices.taken},
