@@ -145,71 +145,60 @@ def test_shared_writable_mmap_is_refused_not_let_past_kvfs(kv):
     assert p.read_bytes() == b"WRIT" + data[4:]
 
 
-def test_shared_writable_mmap_of_a_file_read_by_passthrough(kv):
-    """While a reader holds a passthrough open, a writable open must carry the backing id
-    too, and mmap() of it maps the DRAM file: the file becomes one the kernel writes, and
-    what the mapping wrote is taken at the close."""
-    p = kv.path / "mapped"
-    data = os.urandom(16384)
+@contextlib.contextmanager
+def _adopted_writer(kv, name: str, size: int):
+    """A file of *size* random bytes, a passthrough reader of it, and a writable open of it,
+    which makes it one the kernel writes (`Operations._adopt_writer`): yields (path, data,
+    reader fd, writer fd); both are closed after (quietly: the test may have killed kvfs)."""
+    p = kv.path / name
+    data = os.urandom(size)
     p.write_bytes(data)
     kv.status()  # taken: the next open for reading is a passthrough one
     r = os.open(p, os.O_RDONLY)
     fd = os.open(p, os.O_RDWR)
-    assert kv.status()["passthrough"]["adopted_files"] == 1
     try:
-        m = mmap.mmap(fd, len(data), flags=mmap.MAP_SHARED)
-        m[0:4] = b"MMAP"
-        m.flush()
-        m.close()
-    finally:
-        os.close(fd)
-        os.close(r)
-    kv.status()
-    assert p.read_bytes() == b"MMAP" + data[4:]
-    kv.unmount()  # the write-back at unmount finds the DRAM copy changed, and keeps it?
-    kv.start()
-    assert p.read_bytes() == b"MMAP" + data[4:]
-
-
-def test_writer_of_a_file_read_by_passthrough_fsyncs_durably(kv):
-    """A writable open of a file a reader holds in passthrough mode is adopted (the kernel
-    writes the DRAM file): an fsync through it still makes everything durable, through a
-    crash and the loss of DRAM."""
-    p = kv.path / "adopted"
-    data = os.urandom(200_000)
-    p.write_bytes(data)
-    kv.status()
-    r = os.open(p, os.O_RDONLY)
-    fd = os.open(p, os.O_RDWR)
-    try:
-        assert kv.status()["passthrough"]["adopted_files"] == 1
-        assert os.pwrite(fd, b"NEW!", 70_000) == 4
-        assert os.pread(r, 4, 70_000) == b"NEW!"  # the reader sees it at once
-        os.fsync(fd)
-        kv.reboot()  # SIGKILL, and DRAM lost
+        yield p, data, r, fd
     finally:
         for f in (fd, r):
             with contextlib.suppress(OSError):
                 os.close(f)
+
+
+def test_shared_writable_mmap_of_a_file_read_by_passthrough(kv):
+    """While a reader holds a passthrough open, a writable open must carry the backing id
+    too, and mmap() of it maps the DRAM file: the file becomes one the kernel writes, and
+    what the mapping wrote is taken at the close."""
+    with _adopted_writer(kv, "mapped", 16384) as (p, data, _r, fd):
+        assert kv.status()["passthrough"]["adopted_files"] == 1
+        m = mmap.mmap(fd, len(data), flags=mmap.MAP_SHARED)
+        m[0:4] = b"MMAP"
+        m.flush()
+        m.close()
+    kv.status()
+    assert p.read_bytes() == b"MMAP" + data[4:]
+    kv.unmount()  # written back as the take at the close recorded it
+    kv.start()
+    assert p.read_bytes() == b"MMAP" + data[4:]
+    assert kv.status()["reads"]["checksum_errors"] == 0
+
+
+def test_writer_of_a_file_read_by_passthrough_fsyncs_durably(kv):
+    """An fsync through an adopted writer makes everything durable, through a crash and the
+    loss of DRAM."""
+    with _adopted_writer(kv, "adopted", 200_000) as (p, data, r, fd):
+        assert os.pwrite(fd, b"NEW!", 70_000) == 4
+        assert os.pread(r, 4, 70_000) == b"NEW!"  # the reader sees it at once
+        os.fsync(fd)
+        kv.reboot()  # SIGKILL, and DRAM lost
     kv.start()
     assert p.read_bytes() == data[:70_000] + b"NEW!" + data[70_004:]
     assert kv.status()["reads"]["checksum_errors"] == 0
 
 
 def test_adopted_file_after_a_crash_is_what_its_dram_file_holds(kv):
-    p = kv.path / "adopted"
-    data = os.urandom(150_000)
-    p.write_bytes(data)
-    kv.status()
-    r = os.open(p, os.O_RDONLY)
-    fd = os.open(p, os.O_RDWR)
-    try:
+    with _adopted_writer(kv, "adopted", 150_000) as (p, data, _r, fd):
         assert os.pwrite(fd, b"late", 100_000) == 4  # no fsync: DRAM (tmpfs) outlives us
         kv.kill()
-    finally:
-        for f in (fd, r):
-            with contextlib.suppress(OSError):
-                os.close(f)
     kv.start()
     assert p.read_bytes() == data[:100_000] + b"late" + data[100_004:]
     kv.unmount()  # written back from what the mount took
