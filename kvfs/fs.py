@@ -456,6 +456,8 @@ class Operations(pyfuse3.Operations):
         if flags & os.O_DIRECT or any(h.via_daemon for h in self.handles.values()
                                       if h.ino == ino):
             return None
+        if self.store.stream_size(ino) != node.size:  # the file's size becomes its DRAM file's
+            return None
         if not self.store.adopt_stream(ino):
             return None
         self.store.pin_passthrough(ino, node.size, reads=False)
