@@ -6,11 +6,15 @@ import contextlib
 import errno
 import mmap
 import os
+import random
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -1112,3 +1116,96 @@ def test_files_the_kernel_writes_at_once_stay_within_the_dram_tier(kv):
     assert kv.status()["tiers"]["dram"]["promised_bytes"] == 0  # all taken
     for name, data in files.items():
         assert (d / name).read_bytes() == data, name
+
+
+def _random_ops(roots: tuple[Path, Path], rng: random.Random, steps: int) -> None:
+    """*steps* random file operations done the same way under both *roots*; each one's
+    result (bytes read, count written, errno) must agree."""
+    names = [f"f{i}" for i in range(5)]
+    held: dict[Path, list[int]] = {root: [] for root in roots}
+
+    def run(root: Path, op: str, name: str, off: int, data: bytes, other: str):
+        p = root / name
+        if op == "write":
+            fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                return os.pwrite(fd, data, off)
+            finally:
+                os.close(fd)
+        if op == "append":
+            fd = os.open(p, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
+            try:
+                return os.write(fd, data[:5000])
+            finally:
+                os.close(fd)
+        if op == "truncate":
+            return os.truncate(p, off % (2 << 20))
+        if op == "read":
+            with open(p, "rb") as f:
+                f.seek(off % (3 << 20))
+                return f.read(len(data))
+        if op == "mmap":
+            with open(p, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if not size:
+                    return b""
+                with mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE,
+                               prot=mmap.PROT_READ) as m:
+                    return m[off % size:off % size + len(data)]
+        if op == "hold":  # a reader kept open: a passthrough one while the file is in DRAM
+            held[root].append(os.open(p, os.O_RDONLY))
+            return None
+        if op == "let go":
+            while held[root]:
+                os.close(held[root].pop())
+            return None
+        if op == "rename":
+            return os.replace(p, root / other)
+        if op == "unlink":
+            return os.unlink(p)
+        fd = os.open(p, os.O_RDONLY)  # fsync
+        try:
+            return os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    ops = ["write"] * 4 + ["append", "truncate", "read", "read", "mmap", "hold", "let go",
+                           "rename", "unlink", "fsync"]
+    try:
+        for step in range(steps):
+            op, name, other = rng.choice(ops), rng.choice(names), rng.choice(names)
+            off = rng.choice([0, rng.randrange(1 << 20), (64 << 10) - 3, rng.randrange(64 << 20)])
+            data = rng.randbytes(rng.choice([1, 4096, 65536, rng.randrange(1, 300_000),
+                                             1 << 20]))
+            got = []
+            for root in roots:
+                try:
+                    got.append(("ok", run(root, op, name, off, data, other)))
+                except OSError as exc:
+                    got.append(("errno", exc.errno))
+            assert got[0] == got[1], (step, op, name, off, len(data))
+    finally:
+        for fds in held.values():
+            for fd in fds:
+                os.close(fd)
+
+
+def test_random_operations_agree_with_tmpfs(kv):
+    """Writes (sparse ones too), appends, truncations, reads and mmap reads, renames,
+    unlinks, fsyncs and readers held open (passthrough ones, which make a writer of their
+    file one the kernel writes): every result agrees with tmpfs doing the same, through
+    demotion to NVMe and back, and after a remount."""
+    ref = Path(tempfile.mkdtemp(prefix="kvfs-reference-", dir="/dev/shm"))
+    try:
+        for seed in (1, 2):
+            _random_ops((ref, kv.path), random.Random(seed), 300)
+        moves = kv.status()["moves"]
+        assert moves["demotions"] > 0 and moves["promotions"] > 0, moves
+        kv.unmount()
+        kv.start()
+        assert sorted(os.listdir(kv.path)) == sorted(os.listdir(ref))
+        for name in os.listdir(ref):
+            assert (kv.path / name).read_bytes() == (ref / name).read_bytes(), name
+        assert kv.status()["reads"]["checksum_errors"] == 0
+    finally:
+        shutil.rmtree(ref, ignore_errors=True)
