@@ -137,9 +137,10 @@ class Assembly:
             nursery.start_soon(self._signals)
             nursery.start_soon(self.collector.run)
             nursery.start_soon(self.ops.run_takes)
+            nursery.start_soon(self.ops.watch_mapped)
             # Enough request tasks that a slow NVMe read never holds up a DRAM hit.
             await pyfuse3.main(min_tasks=8, max_tasks=64)
-            await self.ops.finish_takes()
+            await self.ops.finish_mapped()  # (and every other take)
             log.info("unmounting: writing dirty chunks back to NVMe")
             await self.store.writeback_all()
             self.readahead.save()

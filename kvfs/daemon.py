@@ -74,16 +74,22 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def _is_fuse_mount(mp: str) -> bool:
-    real = os.path.realpath(mp)
+def _fuse_mount_dev(real: str) -> int | None:
+    """The device number of the FUSE mount at *real* (a path already resolved: once this
+    daemon serves it, a stat or a realpath of it would wait for this very thread), from
+    mountinfo; None if there is none."""
+    dev = None
     with open("/proc/self/mountinfo") as f:
         for line in f:
             parts = line.split()
-            if parts[4] == real:
-                fstype = parts[parts.index("-") + 1]
-                if fstype.startswith("fuse"):
-                    return True
-    return False
+            if parts[4] == real and parts[parts.index("-") + 1].startswith("fuse"):
+                major, _, minor = parts[2].partition(":")
+                dev = os.makedev(int(major), int(minor))  # the last one is on top
+    return dev
+
+
+def _is_fuse_mount(mp: str) -> bool:
+    return _fuse_mount_dev(os.path.realpath(mp)) is not None
 
 
 def _setup_logging(s: Settings, background: bool) -> None:
@@ -228,6 +234,7 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         options.add("allow_other")
     if s.debug:
         options.add("debug")
+    real_mountpoint = os.path.realpath(s.mountpoint)  # (not once mounted: see _fuse_mount_dev)
     try:
         pyfuse3.init(asm.ops, s.mountpoint, options)
     except RuntimeError as exc:
@@ -235,6 +242,7 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         _tell(ready_fd, f"error: mounting {s.mountpoint} failed: {exc}")
         os.close(lock)
         return 1
+    asm.ops.mount_dev = _fuse_mount_dev(real_mountpoint)
     if shim is not None and shim.front_thread():
         if s.fast_open and s.dram_verify != "open":
             asm.ops.front = shim  # (dram_verify=open: every open checks the file again)

@@ -80,6 +80,9 @@ FALLOC_FL_KEEP_SIZE = 0x01
 # is waiting (see Operations.run_takes); at most TAKE_BACKLOG files wait, none over TAKE_WAIT_S.
 TAKE_BACKLOG = 4
 TAKE_WAIT_S = 0.02
+# How often a file whose DRAM file a shared mapping still writes after its last close is
+# taken again (`Operations.watch_mapped`).
+MAPPED_CHECK_S = 5.0
 # Files of at most this many chunks go to the front thread's table (a staged chunk checks
 # its whole file; bigger files are read through the daemon anyway).
 FAST_OPEN_MAX_CHUNKS = 16
@@ -169,6 +172,10 @@ class Operations(pyfuse3.Operations):
         self.shim = None
         self.backing: dict[int, list[int]] = {}
         self.writers: dict[int, int] = {}
+        # Of those, adopted files with no writer left whose DRAM file a shared mapping may
+        # still write (`_end_writing`, `watch_mapped`).
+        self.mapped: set[int] = set()
+        self.mount_dev: int | None = None  # the mount's st_dev (set by the daemon)
         self._finishing: dict[int, trio.Event] = {}
         self._opening: dict[int, int] = {}  # ino -> opens under way (_opening_file)
         # Unlinked files whose data is freed but which the kernel still knows (see _open).
@@ -236,6 +243,10 @@ class Operations(pyfuse3.Operations):
                 or inode.ino in self._opening):  # so does the open's (_opening_file)
             return
         if inode.is_reg:
+            if inode.ino in self.mapped:  # a mapping may outlive the file: nothing to take
+                self.mapped.discard(inode.ino)
+                del self.writers[inode.ino]
+                self.store.end_stream(inode.ino)
             self.readahead.forgotten(inode.ino)
             self.store.delete_file(inode.ino, inode.size)
             if inode.size:
@@ -388,11 +399,18 @@ class Operations(pyfuse3.Operations):
         ino = node.ino
         writer = flags & os.O_ACCMODE != os.O_RDONLY
         if ino in self.writers:  # everything goes to the DRAM file while the kernel writes it
-            self.store.pin_passthrough(ino, node.size, reads=False)
-            self.backing[ino][1] += 1
+            fd = self.store.pin_passthrough(ino, node.size, reads=False)
+            b = self.backing.get(ino)
+            if b is None:  # a file kept for its mapping (`mapped`) may have no open left
+                backing_id = self._backing_open(fd)
+                if backing_id is None:
+                    self.store.unpin_passthrough(ino)
+                    return None
+                b = self.backing[ino] = [backing_id, 0]
+            b[1] += 1
             if writer:
                 self.writers[ino] += 1
-            return self.backing[ino][0], False, writer
+            return b[0], False, writer
         if (expected := self._stream_size(node, flags, self._parent(ino))) is not None:
             return self._start_writing(ino, expected)
         if writer:
@@ -817,20 +835,49 @@ class Operations(pyfuse3.Operations):
 
         return sized
 
-    async def _end_writing(self, ino: int, node: Inode | None) -> None:
+    async def _end_writing(self, ino: int, node: Inode | None, final: bool = False) -> None:
         """The last writer of a file the kernel wrote into its DRAM file closed (and
         `run_takes` got to it): the store takes its bytes. Opens of it meanwhile wait
-        (`_finishing`): the bytes must be still."""
+        (`_finishing`): the bytes must be still. An adopted file whose DRAM file is still
+        mapped shared and writable (the mapping outlives the close) stays one the kernel
+        writes, in `mapped`, taken again every MAPPED_CHECK_S until no mapping is left
+        (`watch_mapped`), or for good when *final* (unmount)."""
         done = self._finishing[ino] = trio.Event()
+        keep = False
         try:
             if node is not None and node.nlink > 0:
-                await self.store.take_stream(ino, done=True, on_commit=self._sized(node))
+                keep = (not final and ino in self.store.adopted and await self.store
+                        .mapped_writable(ino, None if self.mount_dev is None
+                                         else (self.mount_dev, ino)))
+                await self.store.take_stream(ino, done=not keep, on_commit=self._sized(node))
             else:
                 self.store.end_stream(ino)
         finally:
-            del self.writers[ino]
+            if keep:
+                self.mapped.add(ino)  # its writers count stays, at 0
+            else:
+                self.mapped.discard(ino)
+                del self.writers[ino]
             del self._finishing[ino]
             done.set()
+
+    async def watch_mapped(self) -> None:
+        """Every MAPPED_CHECK_S, each file in `mapped` is taken again (`_end_writing`): what
+        its mapping wrote is recorded, and once no mapping is left the file is an ordinary
+        one again."""
+        while True:
+            await trio.sleep(MAPPED_CHECK_S)
+            for ino in list(self.mapped):
+                if ino in self.mapped and not self.writers.get(ino):  # a writer's close decides
+                    self._pending_takes[ino] = None
+                    self._take_wakeup.set()
+
+    async def finish_mapped(self) -> None:
+        """Unmount: files still mapped are taken for good (nothing records a mapping's
+        writes once the daemon is gone)."""
+        await self.finish_takes()
+        for ino in list(self.mapped):
+            await self._end_writing(ino, self.ns.inodes.get(ino), final=True)
 
     async def run_takes(self) -> None:
         """Take the files whose last writer closed, each when no FUSE request is waiting

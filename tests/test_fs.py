@@ -211,9 +211,7 @@ def test_adopted_file_after_a_crash_is_what_its_dram_file_holds(kv):
     assert kv.status()["reads"]["checksum_errors"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: writes through a shared mapping after the "
-                   "last close of the file reach its DRAM file unseen (docs/DESIGN.md)")
-def test_shared_mapping_written_after_the_close(kv):
+def _libc_mmap():
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -221,22 +219,54 @@ def test_shared_mapping_written_after_the_close(kv):
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                           ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    p = kv.path / "mapped"
-    data = os.urandom(16384)
-    p.write_bytes(data)
-    kv.status()
-    r = os.open(p, os.O_RDONLY)  # a passthrough reader: the writer below carries the id
-    fd = os.open(p, os.O_RDWR)
-    addr = libc.mmap(None, len(data), mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-    assert addr not in (None, ctypes.c_void_p(-1).value)
-    os.close(fd)  # as C programs do: the mapping stays, the file is released
-    os.close(r)
-    kv.status()
+    return libc
+
+
+def test_shared_mapping_written_after_the_close(kv):
+    """As C programs may: mmap, close, write through the mapping, munmap. The file stays
+    one the kernel writes while the mapping lives, and is taken again until it is gone (or
+    at unmount)."""
+    import ctypes
+
+    libc = _libc_mmap()
+    with _adopted_writer(kv, "mapped", 16384) as (p, data, r, fd):
+        addr = libc.mmap(None, len(data), mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED,
+                         fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value)
+    passthrough = kv.status()["passthrough"]  # (takes every closed file first)
+    assert passthrough["writing_files"] == 1  # still mapped: kept
     ctypes.memmove(addr, b"MMAP", 4)
+    assert p.read_bytes() == b"MMAP" + data[4:]  # a new open reads the DRAM file
+    with open(p, "r+b") as f:  # and a new writer joins it
+        f.seek(8)
+        f.write(b"more")
     libc.munmap(addr, len(data))
-    kv.unmount()
+    data = b"MMAP" + data[4:8] + b"more" + data[12:]
+    deadline = time.monotonic() + 20  # the next check (every 5 s) finds no mapping left
+    while kv.status()["passthrough"]["writing_files"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert kv.status()["passthrough"]["writing_files"] == 0
+    assert p.read_bytes() == data
+    kv.unmount()  # the last take
     kv.start()
-    assert p.read_bytes() == b"MMAP" + data[4:]
+    assert p.read_bytes() == data
+    assert kv.status()["reads"]["checksum_errors"] == 0
+
+
+def test_a_mapped_file_unlinked_after_its_close_is_freed(kv):
+    import ctypes
+
+    libc = _libc_mmap()
+    with _adopted_writer(kv, "mapped", 16384) as (p, data, r, fd):
+        addr = libc.mmap(None, len(data), mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED,
+                         fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value)
+    assert kv.status()["passthrough"]["writing_files"] == 1
+    p.unlink()
+    ctypes.memmove(addr, b"gone", 4)  # into a file nobody can open any more
+    libc.munmap(addr, len(data))
+    st = kv.status()
+    assert st["passthrough"]["writing_files"] == 0 and st["tiers"]["dram"]["chunks"] == 0
 
 
 def test_rename_replace_and_flags(kv):

@@ -64,6 +64,7 @@ from kvfs.store.nvme import (
     RecordHeader,
     record_length,
 )
+from kvfs.store.osutil import mapped_shared_writable
 
 log = logging.getLogger(__name__)
 # Tests only: KVFS_TEST_FETCH_DELAY=SECONDS:PATH makes every NVMe read staging a chunk take
@@ -368,6 +369,7 @@ class ChunkStore:
         # ones whose bytes are being taken (take_stream) -> done; each -> the room promised
         # to it (its expected size), part of `dram_load` until it is taken.
         self.streaming: dict[int, int] = {}
+        self.adopted: set[int] = set()  # of those, files that had data before (adopt_stream)
         self.stream_promised = 0
         self._taking: dict[int, trio.Event] = {}
         # Their sizes as found at mount (a crash while they were written): the assembly
@@ -1547,6 +1549,7 @@ class ChunkStore:
         with self.meta.write() as txn:
             txn.put(u64(ino), b"", db=self.meta.db["writers"])
         self.streaming[ino] = 0  # nothing promised: its bytes are in DRAM already
+        self.adopted.add(ino)
         self.dram.pin(ino)
         self.counters.stream_adoptions += 1
         return True
@@ -1629,7 +1632,19 @@ class ChunkStore:
 
     def _stream_ended(self, ino: int) -> None:
         self.stream_promised -= self.streaming.pop(ino, 0)
+        self.adopted.discard(ino)
         self.dram.unpin(ino)
+
+    async def mapped_writable(self, ino: int, as_seen: tuple[int, int] | None) -> bool:
+        """Is *ino*'s DRAM file mapped shared and writable by some process (an adopted
+        file's writer may have mapped it, and the mapping outlives the close)? *as_seen*:
+        the (device, inode) such a mapping shows (the FUSE file's)."""
+        files = {as_seen} if as_seen is not None else set()
+        if not self.dram.missing_open(ino):
+            st = os.fstat(self.dram.fd(ino))
+            files.add((st.st_dev, st.st_ino))
+        return bool(files) and await trio.to_thread.run_sync(
+            mapped_shared_writable, files, limiter=self.limiter)
 
     def resized(self, ino: int, size: int) -> None:
         """A file open in passthrough mode grew to *size* without a write (truncate up,
