@@ -399,18 +399,7 @@ class Operations(pyfuse3.Operations):
         ino = node.ino
         writer = flags & os.O_ACCMODE != os.O_RDONLY
         if ino in self.writers:  # everything goes to the DRAM file while the kernel writes it
-            fd = self.store.pin_passthrough(ino, node.size, reads=False)
-            b = self.backing.get(ino)
-            if b is None:  # a file kept for its mapping (`mapped`) may have no open left
-                backing_id = self._backing_open(fd)
-                if backing_id is None:
-                    self.store.unpin_passthrough(ino)
-                    return None
-                b = self.backing[ino] = [backing_id, 0]
-            b[1] += 1
-            if writer:
-                self.writers[ino] += 1
-            return b[0], False, writer
+            return self._join_writing(node, writer)
         if (expected := self._stream_size(node, flags, self._parent(ino))) is not None:
             return self._start_writing(ino, expected)
         if writer:
@@ -478,11 +467,25 @@ class Operations(pyfuse3.Operations):
             return None
         if not self.store.adopt_stream(ino):
             return None
-        self.store.pin_passthrough(ino, node.size, reads=False)
-        b = self.backing[ino]
+        self.writers[ino] = 0
+        return self._join_writing(node, writer=True)
+
+    def _join_writing(self, node: Inode, writer: bool) -> tuple[int, bool, bool] | None:
+        """One more open of a file the kernel writes: its DRAM file, in plain passthrough
+        (a *writer* is counted as one of the file's writers)."""
+        ino = node.ino
+        fd = self.store.pin_passthrough(ino, node.size, reads=False)
+        b = self.backing.get(ino)
+        if b is None:  # a file kept for its mapping (`mapped`) may have no open left
+            backing_id = self._backing_open(fd)
+            if backing_id is None:
+                self.store.unpin_passthrough(ino)
+                return None
+            b = self.backing[ino] = [backing_id, 0]
         b[1] += 1
-        self.writers[ino] = 1
-        return b[0], False, True
+        if writer:
+            self.writers[ino] += 1
+        return b[0], False, writer
 
     def _backing_open(self, fd: int) -> int | None:
         """The backing id of a DRAM file, or None (and no more passthrough) if the kernel
