@@ -46,6 +46,7 @@ import time
 
 import trio
 
+from kvfs.store.episode import Episode
 from kvfs.store.nvme import BLOCK, NvmeFull, RecordError, RecordHeader, Segment, record_length
 from kvfs.store.streams import HINT_NAMES, StreamTable, device_info
 
@@ -103,6 +104,7 @@ class Cleaner:
         self._device: dict | None = None
         self._open_seen: dict[int, tuple[int, int, int]] = {}
         self._crash = _crash_point_from_env()
+        self.no_room = Episode("NVMe tier cleaning")
 
     def kick(self) -> None:
         self._kick.set()
@@ -206,6 +208,8 @@ class Cleaner:
         return room()
 
     async def clean_one(self, mode: str = "urgent") -> bool:
+        """Clean one victim; False if there was none, or nothing could be copied out of it
+        (no segment to copy into: cleaning more would only scan it again)."""
         async with self._lock:
             seg = self.pick_victim(IDLE_MAX_U if mode == "idle" else 0.98)
             if seg is None:
@@ -214,12 +218,14 @@ class Cleaner:
             v = self.victims.setdefault(seg.stream, [0, 0.0])
             v[0] += 1
             v[1] += max(0, seg.live_bytes) / self.nvme.segment_size
-            await self._clean(seg, mode)
-            return True
+            return await self._clean(seg, mode)
 
     # -- one victim ------------------------------------------------------------------------
-    async def _clean(self, seg: Segment, mode: str) -> None:
+    async def _clean(self, seg: Segment, mode: str) -> bool:
+        """Copy *seg*'s live records elsewhere and free it; False if no record could be
+        copied for want of room (it stays as it was)."""
         store = self.store
+        stuck = False
         seg.hold += 1
         self.nvme.pin(seg.seg_id)
         self.cleaning = True
@@ -238,6 +244,7 @@ class Cleaner:
                 try:
                     dst = await self._move(seg, off, h, loc)
                 except _NoRoom:
+                    stuck = not moved_to
                     break  # leave the rest where it is
                 if dst is not None:
                     moved_to[dst.seg_id] = dst
@@ -255,6 +262,9 @@ class Cleaner:
         self.nvme._maybe_delete(seg)
         if seg.deleted:
             self.segments_cleaned += 1
+            if self.nvme.free_segments() > self.nvme.gc_reserved:
+                self.no_room.over()
+        return not stuck
 
     async def _move(self, seg: Segment, off: int, h: RecordHeader, loc) -> Segment | None:
         """Copy one live record; returns the segment it went to (None: left in place)."""
@@ -271,7 +281,8 @@ class Cleaner:
         try:
             dst, dst_off = self.nvme.reserve(stream, rec_len, for_gc=True)
         except NvmeFull:
-            log.warning("cleaning segment %d: no free segment to copy into", seg.seg_id)
+            self.no_room.failed(f"no free segment to copy live records into (segment "
+                                f"{seg.seg_id} and others stay as they are)")
             raise _NoRoom() from None
         moved = RecordHeader(header.codec, stream, header.ino, header.chunk, header.seq,
                              header.raw_len, header.stored_len, header.checksum)
