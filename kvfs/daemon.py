@@ -219,6 +219,7 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         return 1
     if shim is not None:
         shim.set_fallocate_handler(asm.ops.fallocate_sync)
+        asm.ops.reply_fallocate = shim.fallocate_reply
         shim.set_write_handlers(asm.ops.write_plan, asm.ops.write_done)
         shim.want_passthrough(s.passthrough)
         shim.want_front_thread(s.passthrough and (s.fast_open or s.front_reads))

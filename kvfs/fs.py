@@ -77,6 +77,7 @@ FILE_CAPS = b"security.capability"
 # other name is EOPNOTSUPP, as on tmpfs and ext4 (the kernel passes every name to FUSE).
 XATTR_NAMESPACES = (b"user.", b"trusted.", b"security.")
 FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
 # A file the kernel wrote is taken (hashed, recorded) after its last close, when no request
 # is waiting (see Operations.run_takes); at most TAKE_BACKLOG files wait, none over TAKE_WAIT_S.
 TAKE_BACKLOG = 4
@@ -196,6 +197,10 @@ class Operations(pyfuse3.Operations):
         self.pending_hot: dict[int, int] = {}
         self.fast_open_staged = 0  # pending entries made ready by their prefetch
         self.fast_opens = 0
+        # Starts a task in the daemon's nursery (set by the assembly while it runs), and
+        # answers a fallocate request later (the shim's, set by the daemon).
+        self.spawn: Callable | None = None
+        self.reply_fallocate: Callable[[int, int], None] | None = None
 
     # -- helpers ---------------------------------------------------------------------------
     def _parent(self, ino: int) -> int | None:
@@ -1050,23 +1055,32 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EOPNOTSUPP)  # without them
 
     # -- fallocate (called synchronously by kvfs._fuseshim, not by pyfuse3) ------------------
-    def fallocate_sync(self, ino: int, mode: int, offset: int, length: int, fh: int) -> int:
-        """fallocate(2) on the FUSE thread; returns an errno (0 = success).
+    def fallocate_sync(self, ino: int, mode: int, offset: int, length: int, fh: int,
+                       req: int = 0) -> int:
+        """fallocate(2) on the FUSE thread; returns an errno (0 = success), or -1 when it
+        answers *req* later itself (`reply_fallocate`).
 
         Mode 0 and FALLOC_FL_KEEP_SIZE reserve room for the range's holes (counted in statvfs
         and st_blocks), so later writes there cannot fail with ENOSPC; mode 0 also extends the
-        file. Punching and zeroing ranges answer EOPNOTSUPP, as on filesystems without them."""
+        file. PUNCH_HOLE (with KEEP_SIZE, as Linux requires) makes the range a hole, in a
+        task of its own: it may wait for NVMe reads. Zeroing, collapsing and inserting
+        ranges answer EOPNOTSUPP, as on tmpfs."""
         try:
             node = self._current(self.ns.get(ino))
             if not node.is_reg:
                 return errno.ENODEV if not node.is_dir else errno.EISDIR
-            if mode & ~FALLOC_FL_KEEP_SIZE:
+            punch = mode == FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+            if mode & ~FALLOC_FL_KEEP_SIZE and not (punch and self.spawn is not None
+                                                    and self.reply_fallocate is not None):
                 return errno.EOPNOTSUPP
             if offset < 0 or length <= 0:
                 return errno.EINVAL
             end = offset + length
             if end > MAX_FILE_SIZE:
                 return errno.EFBIG
+            if punch:
+                self.spawn(self._punch_hole_task, ino, offset, length, req)
+                return -1
             if length > self.store.capacity:
                 return errno.ENOSPC
             self.revoke(ino)
@@ -1084,6 +1098,27 @@ class Operations(pyfuse3.Operations):
         except Exception:
             log.exception("fallocate failed")
             return errno.EIO
+
+    async def _punch_hole_task(self, ino: int, offset: int, length: int, req: int) -> None:
+        try:
+            await self.punch_hole(ino, offset, length)
+            err = 0
+        except pyfuse3.FUSEError as exc:
+            err = exc.errno
+        self.reply_fallocate(req, err)
+
+    @_errors
+    async def punch_hole(self, ino: int, offset: int, length: int) -> None:
+        await self._taken(ino)
+        node = self._current(self.ns.get(ino))
+        self.revoke(ino)
+
+        def punched() -> None:
+            node.resize(node.size, holes=True)
+            node.mtime_ns = node.ctime_ns = time.time_ns()
+            self.ns.save(node)
+
+        await self.store.punch(ino, offset, length, node.size, on_commit=punched)
 
     # -- cache-mode eviction -----------------------------------------------------------------
     def remove_file(self, ino: int) -> bool:

@@ -41,6 +41,7 @@ cdef extern from *:
     #include <dlfcn.h>
     #include <errno.h>
     #include <fcntl.h>
+    #include <stdint.h>
     #include <string.h>
     #include <fuse_lowlevel.h>
 
@@ -48,14 +49,16 @@ cdef extern from *:
     static struct fuse_lowlevel_ops kvfs_ops;
     static int kvfs_shim_active = 0;
 
+    /* The handler answers an errno (0: done), or -1: it replies later itself, through
+       kvfs_fallocate_reply (a punched hole waits for NVMe reads in a trio task). */
     static void kvfs_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, off_t offset,
                                off_t length, struct fuse_file_info *fi) {
         int err = EOPNOTSUPP;
         PyGILState_STATE gil = PyGILState_Ensure();
         if (kvfs_fallocate_handler != NULL) {
-            PyObject *r = PyObject_CallFunction(kvfs_fallocate_handler, "KiLLK",
+            PyObject *r = PyObject_CallFunction(kvfs_fallocate_handler, "KiLLKK",
                 (unsigned long long)ino, mode, (long long)offset, (long long)length,
-                (unsigned long long)(fi ? fi->fh : 0));
+                (unsigned long long)(fi ? fi->fh : 0), (unsigned long long)(uintptr_t)req);
             if (r == NULL) {
                 PyErr_WriteUnraisable(kvfs_fallocate_handler);
                 err = EIO;
@@ -67,7 +70,12 @@ cdef extern from *:
             }
         }
         PyGILState_Release(gil);
-        fuse_reply_err(req, err);
+        if (err >= 0)
+            fuse_reply_err(req, err);
+    }
+
+    static void kvfs_fallocate_reply(unsigned long long req, int err) {
+        fuse_reply_err((fuse_req_t)(uintptr_t)req, err);
     }
 
     /* Writes into DRAM: see Operations.write_plan. The plan is (token, fd, ((pos, len), ...));
@@ -1235,6 +1243,7 @@ cdef extern from *:
     int kvfs_backing_close(int id)
     void kvfs_pt_mark(unsigned long long fh, int id, int direct)
     void kvfs_set_handler(object fn)
+    void kvfs_fallocate_reply(unsigned long long req, int err)
     void kvfs_set_write_handlers(object plan, object done)
     int kvfs_front_wanted
     int kvfs_front_on
@@ -1253,9 +1262,15 @@ cdef extern from *:
 
 
 def set_fallocate_handler(handler) -> None:
-    """handler(ino, mode, offset, length, fh) -> errno (0 for success); runs on the FUSE
-    thread with the GIL held and must not block."""
+    """handler(ino, mode, offset, length, fh, req) -> errno (0 for success), or -1 if it
+    will answer *req* later with `fallocate_reply`; runs on the FUSE thread with the GIL
+    held and must not block."""
     kvfs_set_handler(handler)
+
+
+def fallocate_reply(unsigned long long req, int err) -> None:
+    """Answer a fallocate request the handler deferred (once, from the trio thread)."""
+    kvfs_fallocate_reply(req, err)
 
 
 def set_write_handlers(plan, done) -> None:

@@ -595,6 +595,59 @@ def test_fallocate_reserves_space(kv):
     (kv.path / "after").write_bytes(os.urandom(4 << 20))  # the reservation is returned
 
 
+FALLOC_PUNCH = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+
+
+def _punch(fd: int, off: int, length: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    if libc.fallocate(fd, FALLOC_PUNCH, off, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+@pytest.mark.parametrize("tier", ["dram", "nvme"])
+def test_punched_holes_read_as_zeros_as_on_tmpfs(kv, tier, tmp_path):
+    """fallocate(PUNCH_HOLE) frees and zeroes a range and keeps the size (Dynamo-style block
+    files free space so): whole chunks go, the chunks it cuts into are zeroed there; the
+    same punches on tmpfs give the same bytes, through a remount, a crash and fsck."""
+    data = os.urandom(5 * 65536 + 1234)
+    ref = Path(tempfile.mkdtemp(dir="/dev/shm")) / "ref"
+    try:
+        ref.write_bytes(data)
+        (kv.path / "f").write_bytes(data)
+        if tier == "nvme":
+            kv.unmount()
+            kv.lose_dram()
+            kv.start()
+        punches = [(65536, 65536), (3 * 65536 - 100, 300), (10, 20), (4 * 65536, 1 << 20),
+                   (6 << 20, 4096)]
+        fds = [os.open(p, os.O_RDWR) for p in (ref, kv.path / "f")]
+        try:
+            for off, n in punches:
+                for fd in fds:
+                    _punch(fd, off, n)
+            os.fsync(fds[1])
+            assert os.fstat(fds[1]).st_size == len(data)
+            assert os.fstat(fds[1]).st_blocks < os.fstat(fds[0]).st_blocks + 64
+        finally:
+            for fd in fds:
+                os.close(fd)
+        want = ref.read_bytes()
+        assert (kv.path / "f").read_bytes() == want
+        kv.kill()
+        kv.lose_dram()  # fsynced: the holes survive the loss of DRAM
+        kv.start()
+        assert (kv.path / "f").read_bytes() == want
+        kv.unmount()
+        r = kv.fsck()
+        assert r.returncode == 0, r.stdout
+    finally:
+        shutil.rmtree(ref.parent)
+
+
 # -- FUSE passthrough: reads served by the kernel straight from a file's DRAM file ----------
 def _pt_opens(m) -> int:
     return m.status()["passthrough"]["opens"]

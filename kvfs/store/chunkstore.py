@@ -2330,6 +2330,68 @@ class ChunkStore:
                 on_commit()
         self.dram.truncate(ino, new_size)
 
+    async def punch(self, ino: int, off: int, length: int, size: int,
+                    on_commit: Callable[[], None] | None = None) -> None:
+        """Make [off, off+length) of a file of *size* bytes a hole (fallocate PUNCH_HOLE;
+        the size stays): chunks wholly inside go, the ones it cuts into are zeroed there.
+        As `truncate`, the waits come first (fetches of those chunks, the cut ones brought
+        into DRAM raw), then one commit, in which *on_commit* runs; the cut chunks' bytes
+        are zeroed right after it (they are unsealed in it, with a new seq: a crash in
+        between leaves them as they were, which the mount seals again)."""
+        end = min(off + length, size)
+        if ino in self.streaming:  # the kernel writes its DRAM file: that is the file
+            if end > off:
+                self.dram.punch(ino, off, end - off)
+            with self.meta.write():
+                if on_commit is not None:
+                    on_commit()
+            return
+        cs = self.cs
+        first, last = off // cs, max(off, end - 1) // cs
+
+        def inside(c: int) -> bool:
+            return off <= c * cs and min((c + 1) * cs, size) <= end
+
+        edges = [c for c in {first, last} if end > off and not inside(c)]
+        while True:  # until nothing is left to wait for (each await lets others in)
+            if end > off and (pending := self._fetch_of(ino, first, last + 1)) is not None:
+                await pending.wait()
+                continue
+            for c in edges:
+                loc = self.get(ino, c)
+                if loc is None or loc.flags & LOST or loc.raw_len <= off - c * cs:
+                    continue  # nothing there to zero (or nothing to be had)
+                if loc.flags & PACKED:
+                    self.drop_dram_copy((ino, c))
+                    break
+                if loc.dram_slot < 0:
+                    await self._make_resident(ino, c, loc)
+                    break
+            else:
+                break
+        zero = []
+        with self.meta.write() as txn:
+            for c in self.index.chunks_of(ino, last + 1) if end > off else ():
+                if c < first:
+                    continue
+                loc = self.get(ino, c)
+                if c not in edges:
+                    self._replace(txn, ino, c, loc, None)
+                    continue
+                start, stop = max(off - c * cs, 0), min(end - c * cs, loc.raw_len)
+                if stop <= start or loc.flags & LOST:
+                    continue
+                self._replace(txn, ino, c, loc, Loc(IN_DRAM, 0, 0, 0, loc.raw_len, 0,
+                                                    CODEC_RAW, 0, 0, self._next_seq()))
+                zero.append((c * cs + start, stop - start))
+            if on_commit is not None:
+                on_commit()
+        for start, n in zero:
+            self.dram.punch(ino, start, n)
+        if ino in self.allocated:  # the room fallocate promised there is given back
+            self._set_allocated(ino, max(self.file_bytes.get(ino, 0),
+                                         self.allocated[ino] - (end - off)))
+
     def _fetch_of(self, ino: int, start: int, stop: int) -> trio.Event | None:
         """The end of a fetch of one of *ino*'s chunks *start*..*stop*-1, if one is on."""
         for c in self.index.chunks_of(ino, stop):
