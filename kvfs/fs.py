@@ -208,11 +208,20 @@ class Operations(pyfuse3.Operations):
         names = self.ns.names_of(ino)
         return min(names)[0] if names else None
 
-    def _current(self, inode: Inode) -> Inode:
-        """*inode*, its size brought up to date if the kernel is writing it without us."""
+    def _size(self, inode: Inode) -> int:
+        """*inode*'s size now: its DRAM file's while the kernel writes it without us. Its
+        recorded size (`inode.size`, what lmdb has) is that of its last take: saved with
+        anything else, a size its chunks do not reach yet would read as zeros after a
+        crash that loses DRAM."""
         if inode.ino in self.writers:
-            inode.size = self.store.stream_size(inode.ino)
-        return inode
+            return self.store.stream_size(inode.ino)
+        return inode.size
+
+    async def _recorded(self, node: Inode) -> None:
+        """Take what the kernel wrote so far into *node*, if it writes it: a change of its
+        size must start from its bytes recorded, as an fsync records them."""
+        if node.ino in self.writers and node.ino not in self._finishing:
+            await self.store.take_stream(node.ino, done=False, on_commit=self._sized(node))
 
     def _attr(self, inode: Inode) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -225,7 +234,7 @@ class Operations(pyfuse3.Operations):
         a.st_uid = inode.uid
         a.st_gid = inode.gid
         a.st_rdev = inode.rdev
-        a.st_size = self._current(inode).size
+        a.st_size = self._size(inode)
         a.st_blksize = BLOCK_SIZE
         held = self.store.blocks_bytes(inode.ino)
         if inode.ino in self.writers:  # what the kernel wrote may not be counted yet
@@ -303,13 +312,14 @@ class Operations(pyfuse3.Operations):
     @_errors
     async def setattr(self, inode, attr, fields, fh, ctx):
         await self._taken(inode)
-        node = self._current(self.ns.get(inode))
+        node = self.ns.get(inode)
         if fields.update_size:
             self.revoke(inode)
             if not node.is_reg:
                 raise pyfuse3.FUSEError(errno.EISDIR if node.is_dir else errno.EINVAL)
             if attr.st_size > MAX_FILE_SIZE:
                 raise pyfuse3.FUSEError(errno.EFBIG)
+            await self._recorded(node)
 
         def apply() -> None:
             """Every attribute asked for, saved in one commit (a truncation's own)."""
@@ -689,16 +699,17 @@ class Operations(pyfuse3.Operations):
 
     async def _open(self, inode, flags, ctx):
         await self._taken(inode)
-        node = self._current(self.ns.get(inode))
+        node = self.ns.get(inode)
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
         if node.nlink == 0 and inode in self._data_freed:
             # Unlinked, with no open, between the caller's lookup and this OPEN: its data is
             # gone. As if the unlink had come before the lookup, not an empty file.
             raise pyfuse3.FUSEError(errno.ENOENT)
-        if flags & os.O_TRUNC and node.size:
+        if flags & os.O_TRUNC and self._size(node):
             # libfuse negotiates atomic O_TRUNC: the kernel leaves truncation to open().
             self.revoke(inode)
+            await self._recorded(node)
             sized = self._sized(node)
             await self.store.truncate(inode, node.size, 0, on_commit=lambda: sized(0, False))
             self.crash.reached("truncated")
@@ -844,7 +855,7 @@ class Operations(pyfuse3.Operations):
         if h.flags & os.O_ACCMODE != os.O_RDONLY and node.nlink > 0:
             parent = self._parent(h.ino)
             if parent is not None:  # the size files written in that directory reach
-                self.stream_policy.closed(parent, self._current(node).size)
+                self.stream_policy.closed(parent, self._size(node))
         node.opens -= 1
         if not node.opens:
             self.store.end_read_through(h.ino)
@@ -948,7 +959,7 @@ class Operations(pyfuse3.Operations):
     async def _take_now(self, ino: int) -> None:
         """Take *ino* now if it waits to be (an open or a truncation of it needs it taken).
         Until then it is still one the kernel writes: its size comes from its DRAM file
-        (`_current`) and it is not freed (`_maybe_free`)."""
+        (`_size`) and it is not freed (`_maybe_free`)."""
         if ino not in self._pending_takes:
             return
         del self._pending_takes[ino]
@@ -964,10 +975,8 @@ class Operations(pyfuse3.Operations):
     @_errors
     async def fsync(self, fh, datasync):
         h = self.handles[fh]
-        node = self._current(self.ns.get(h.ino))
-        if h.ino in self.writers and h.ino not in self._finishing:
-            # what the kernel wrote so far becomes the file's chunks
-            await self.store.take_stream(h.ino, done=False, on_commit=self._sized(node))
+        node = self.ns.get(h.ino)
+        await self._recorded(node)  # what the kernel wrote so far becomes the file's chunks
         await self.store.fsync(h.ino, node.size)
 
     # -- directories -----------------------------------------------------------------------
@@ -1066,7 +1075,7 @@ class Operations(pyfuse3.Operations):
         task of its own: it may wait for NVMe reads. Zeroing, collapsing and inserting
         ranges answer EOPNOTSUPP, as on tmpfs."""
         try:
-            node = self._current(self.ns.get(ino))
+            node = self.ns.get(ino)
             if not node.is_reg:
                 return errno.ENODEV if not node.is_dir else errno.EISDIR
             punch = mode == FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
@@ -1085,7 +1094,9 @@ class Operations(pyfuse3.Operations):
                 return errno.ENOSPC
             self.revoke(ino)
             self.store.allocate(ino, offset, length)
-            if not mode & FALLOC_FL_KEEP_SIZE and end > node.size:
+            if not mode & FALLOC_FL_KEEP_SIZE and ino in self.writers:
+                self.store.resized(ino, max(end, self._size(node)))  # its DRAM file: taken later
+            elif not mode & FALLOC_FL_KEEP_SIZE and end > node.size:
                 self.store.resized(ino, end)
                 node.resize(end, holes=True)  # reserved, not written: reads give zeros
                 node.mtime_ns = node.ctime_ns = time.time_ns()
@@ -1110,7 +1121,7 @@ class Operations(pyfuse3.Operations):
     @_errors
     async def punch_hole(self, ino: int, offset: int, length: int) -> None:
         await self._taken(ino)
-        node = self._current(self.ns.get(ino))
+        node = self.ns.get(ino)
         self.revoke(ino)
 
         def punched() -> None:
@@ -1118,7 +1129,7 @@ class Operations(pyfuse3.Operations):
             node.mtime_ns = node.ctime_ns = time.time_ns()
             self.ns.save(node)
 
-        await self.store.punch(ino, offset, length, node.size, on_commit=punched)
+        await self.store.punch(ino, offset, length, self._size(node), on_commit=punched)
 
     # -- cache-mode eviction -----------------------------------------------------------------
     def remove_file(self, ino: int) -> bool:
