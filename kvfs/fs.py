@@ -54,7 +54,7 @@ import trio
 import trio.testing
 
 from kvfs.config import FAST_OPEN_FILES_MAX
-from kvfs.namespace import Inode, Namespace, NamespaceError
+from kvfs.namespace import NAME_MAX, Inode, Namespace, NamespaceError
 from kvfs.store.chunkstore import ChunkError, ChunkStore, NoSpace
 from kvfs.tiering import StreamingPolicy
 
@@ -984,7 +984,7 @@ class Operations(pyfuse3.Operations):
         s.f_bfree = s.f_bavail = max(0, cap - used) // BLOCK_SIZE
         s.f_files = max(1 << 24, 4 * len(self.ns.inodes))
         s.f_ffree = s.f_favail = s.f_files - len(self.ns.inodes)
-        s.f_namemax = 255
+        s.f_namemax = NAME_MAX
         return s
 
     @_errors

@@ -365,6 +365,47 @@ def test_names(kv):
     assert _err(open, kv.path / ("y" * 256), "wb") == errno.ENAMETOOLONG
 
 
+def test_every_call_that_takes_a_name_past_name_max_is_enametoolong(kv):
+    """As on tmpfs and ext4; the kernel itself only stops names past 1024 bytes."""
+    long = kv.path / ("n" * 256)
+    f, d = kv.path / "f", kv.path / "d"
+    f.write_bytes(b"1")
+    d.mkdir()
+    calls = {
+        "open": lambda: open(long, "rb"),
+        "create": lambda: open(long, "wb"),
+        "creat-excl": lambda: os.open(long, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644),
+        "mkdir": lambda: os.mkdir(long),
+        "mkfifo": lambda: os.mkfifo(long),
+        "rmdir": lambda: os.rmdir(long),
+        "unlink": lambda: os.unlink(long),
+        "rename-from": lambda: os.rename(long, kv.path / "x"),
+        "rename-to": lambda: os.rename(f, long),
+        "rename-dir-to": lambda: os.rename(d, long),
+        "link-from": lambda: os.link(long, kv.path / "y"),
+        "link-to": lambda: os.link(f, long),
+        "symlink": lambda: os.symlink("f", long),
+        "readlink": lambda: os.readlink(long),
+        "chmod": lambda: os.chmod(long, 0o600),
+        "chown": lambda: os.chown(long, 1, 1),
+        "truncate": lambda: os.truncate(long, 0),
+        "stat": lambda: os.stat(long),
+        "lstat": lambda: os.lstat(long),
+        "utime": lambda: os.utime(long),
+        "listdir": lambda: os.listdir(long),
+        "statvfs": lambda: os.statvfs(long),
+        "below it": lambda: os.stat(long / "x"),
+        "setxattr": lambda: os.setxattr(long, "user.a", b"1"),
+        "getxattr": lambda: os.getxattr(long, "user.a"),
+        "listxattr": lambda: os.listxattr(long),
+        "removexattr": lambda: os.removexattr(long, "user.a"),
+    }
+    got = {what: _err(call) for what, call in calls.items()}
+    assert got == {what: errno.ENAMETOOLONG for what in calls}
+    assert sorted(os.listdir(kv.path)) == ["d", "f"]
+    assert os.statvfs(kv.path).f_namemax == 255
+
+
 def test_statvfs_and_blocks(kv):
     st = os.statvfs(kv.path)
     assert st.f_bsize == 4096 and st.f_frsize == 4096
