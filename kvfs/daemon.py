@@ -223,6 +223,7 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         shim.want_passthrough(s.passthrough)
         shim.want_front_thread(s.passthrough and (s.fast_open or s.front_reads))
         shim.set_opened_handler(asm.ops.fast_opened)
+        shim.set_kill_handler(asm.ops.kill_suidgid)
         asm.ops.hot_capacity = shim.hot_limit(s.fast_open_files)
         if s.passthrough:
             asm.ops.shim = shim

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import mmap
 import os
 import random
@@ -1133,6 +1134,133 @@ def test_security_capability_is_answered_truthfully(kv):
     kv.unmount()
     kv.start()
     assert os.getxattr(p, "security.capability") == value
+
+
+# Owners and callers of the set-id tests: none of them root but the first.
+_OWNER, _OTHER, _GROUP, _GROUP2 = 2000, 3000, 2000, 2001
+_CALLERS = {"root": None, "owner": (_OWNER, _GROUP, [_GROUP, _GROUP2]),
+            "in group": (_OTHER, _OTHER, [_GROUP]), "other": (_OTHER, _OTHER, [])}
+
+
+def _as(caller, fn, cwd) -> int:
+    """fn() in directory *cwd* (its ancestors may be closed to others) as *caller* (uid,
+    gid, groups; None: root) in a child process: 0, or the errno it failed with."""
+    pid = os.fork()
+    if pid == 0:
+        code = 255
+        try:
+            os.chdir(cwd)
+            if caller is not None:
+                os.setgroups(caller[2])
+                os.setgid(caller[1])
+                os.setuid(caller[0])
+            fn()
+            code = 0
+        except OSError as exc:
+            code = exc.errno
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def _pwrite(p, data: bytes, off: int) -> None:
+    fd = os.open(p, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, off)
+    finally:
+        os.close(fd)
+
+
+def _ftruncate(p, size: int) -> None:
+    fd = os.open(p, os.O_WRONLY)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _statx_mode(p) -> int:
+    """The mode as the kernel has it cached (statx for the mode alone asks no daemon)."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(256)  # struct statx; stx_mode at offset 28
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.statx(-100, os.fsencode(p), 0, 0x3, buf) == 0, ctypes.get_errno()
+    return int.from_bytes(buf.raw[28:30], "little")
+
+
+_SETID_OPS = {
+    "write": lambda p: _pwrite(p, b"z", 0),
+    "big write": lambda p: _pwrite(p, os.urandom(1 << 20), 1 << 20),
+    "ftruncate": lambda p: _ftruncate(p, 10),
+    "truncate": lambda p: os.truncate(p, 20),
+    "O_TRUNC": lambda p: os.close(os.open(p, os.O_WRONLY | os.O_TRUNC)),
+    "chgrp": lambda p: os.chown(p, -1, _GROUP2),
+    "chown -1 -1": lambda p: os.chown(p, -1, -1),
+}
+
+
+def _setid_after(directory: Path) -> dict:
+    """What each operation by each caller leaves of the set-id bits of files of each mode."""
+    out = {}
+    for op, do in _SETID_OPS.items():
+        for who, caller in _CALLERS.items():
+            for mode in (0o4777, 0o2777, 0o2767, 0o6777, 0o6767):
+                p = directory / f"{op}-{who}-{mode:o}"
+                p.write_bytes(b"x" * 100)
+                os.chown(p, _OWNER, _GROUP)
+                os.chmod(p, mode)
+                err = _as(caller, functools.partial(do, p.name), directory)
+                out[op, who, oct(mode)] = (oct(stat.S_IMODE(os.stat(p).st_mode)),
+                                           oct(stat.S_IMODE(_statx_mode(p))), err)
+                p.unlink()
+    return out
+
+
+@pytest.mark.parametrize("passthrough", ["1", "0"])
+def test_writes_truncations_and_chowns_clear_setid_bits_as_on_tmpfs(mount_factory,
+                                                                       passthrough):
+    """Whoever writes or truncates (root excepted) and whoever changes the owner or group
+    clears set-user-ID, and set-group-ID as the kernel decides (with group execute, or for
+    a caller outside the group): a set-uid binary written by someone else on a shared
+    mount would otherwise run with its owner's rights wherever it is copied."""
+    kv = mount_factory(passthrough=passthrough)
+    os.chmod(kv.path, 0o777)
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as ref:
+        os.chmod(ref, 0o777)
+        want = _setid_after(Path(ref))
+    assert want["write", "other", "0o6777"] == ("0o777", "0o777", 0)  # (the kernel's rules)
+    assert want["chown -1 -1", "other", "0o4777"] == ("0o4777", "0o4777", errno.EPERM)
+    assert _setid_after(kv.path) == want
+
+
+def test_a_write_the_kernel_makes_itself_clears_setid_bits(kv):
+    """A new file a writer writes straight into DRAM (passthrough): the kernel's own
+    file_remove_privs asks kvfs with a SETATTR that has nothing to set."""
+    d = kv.path / "pt"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    p = d / "f"
+
+    def write() -> None:
+        Path("first").write_bytes(b"x" * 8192)  # later files of the directory are streamed
+        fd = os.open("f", os.O_WRONLY | os.O_CREAT, 0o755)
+        try:
+            os.fchmod(fd, 0o4755)
+            os.write(fd, b"a" * 4096)
+            assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o755
+        finally:
+            os.close(fd)
+
+    assert _as(_CALLERS["other"], write, d) == 0
+    assert "dram" in kv.tiers("pt/f")
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o755
+    os.chown(p, _OWNER, _GROUP)
+    os.chmod(p, 0o4777)  # chown(f, -1, -1) is the other such SETATTR: only for the owner
+    assert _as(_CALLERS["other"], lambda: os.chown("f", -1, -1), d) == errno.EPERM
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o4777
+    assert _as(None, lambda: os.chown("f", -1, -1), d) == 0
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o777
 
 
 def _ram_of(directory) -> int:
