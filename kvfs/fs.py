@@ -770,7 +770,7 @@ class Operations(pyfuse3.Operations):
         mode = await self._passthrough_mode(node, flags)
         if mode is not None and not mode[1] and not mode[2]:
             # The kernel reads it without us: the whole file counts as read now.
-            self.readahead.read(inode, 0, node.size, ctx.pid)
+            self.readahead.read_whole(inode, node.size, ctx.pid)
             self._offer_fast_open(node, ready=True)
         return self._open_handle(node, flags, ctx.pid, mode)
 

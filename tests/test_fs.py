@@ -70,6 +70,39 @@ def test_sparse_and_offsets(kv):
     os.close(fd)
 
 
+def test_a_sparse_file_of_the_largest_size(kv):
+    """2**50 bytes (1 PiB; ext4 with 4 KiB blocks stops at 16 TiB - 4 KiB, tmpfs at 2**63 - 1):
+    what kvfs does for a file goes by the chunks it holds, never by its size (a loop over
+    the 2**34 chunk numbers of this one never ends)."""
+    top = 1 << 50
+    p = kv.path / "huge"
+    fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        os.pwrite(fd, b"e" * 5000, top - 5000)
+        os.pwrite(fd, b"s" * 5000, 0)
+        assert _err(os.pwrite, fd, b"x", top) == errno.EFBIG
+        assert _err(os.ftruncate, fd, top + 1) == errno.EFBIG
+        assert _err(os.posix_fallocate, fd, top - 4096, 8192) == errno.EFBIG
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert os.stat(p).st_size == top
+    with open(p, "rb") as f:  # all in DRAM: the kernel reads it (passthrough)
+        assert os.pread(f.fileno(), 5000, top - 5000) == b"e" * 5000
+        assert os.pread(f.fileno(), 100, top // 2) == bytes(100)
+    os.setxattr(p, "user.kvfs.prefetch", b"1")
+    kv.unmount()
+    kv.start()
+    with open(p, "rb") as f:
+        assert os.pread(f.fileno(), 5000, 0) == b"s" * 5000
+        assert os.pread(f.fileno(), 5000, top - 5000) == b"e" * 5000
+    os.truncate(p, top // 2)
+    os.truncate(p, top)
+    with open(p, "rb") as f:
+        assert os.pread(f.fileno(), 5000, top - 5000) == bytes(5000)
+    p.unlink()
+
+
 def test_truncate_shrink_and_grow(kv):
     p = kv.path / "t"
     data = os.urandom(200_000)
