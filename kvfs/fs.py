@@ -1085,7 +1085,7 @@ class Operations(pyfuse3.Operations):
     async def getxattr(self, inode, name, ctx):
         if self.control.handles(name):
             await self.finish_takes()  # `where` and `status` count closed files as taken
-            return self.control.get(inode, name[len(CONTROL_PREFIX):])
+            return self.control.get(inode, name[len(CONTROL_PREFIX):], ctx.uid)
         self.ns.get(inode)
         self._check_xattr_name(name)
         value = self.ns.getxattr(inode, name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import json
 import mmap
 import os
 import random
@@ -1294,6 +1295,20 @@ def test_a_write_the_kernel_makes_itself_clears_setid_bits(kv):
     assert stat.S_IMODE(os.stat(p).st_mode) == 0o4777
     assert _as(None, lambda: os.chown("f", -1, -1), d) == 0
     assert stat.S_IMODE(os.stat(p).st_mode) == 0o777
+
+
+def test_status_shows_the_tier_directories_only_to_root(kv):
+    """kvfsctl status: anyone may see how the tiers do, only root (or the daemon's user)
+    where they are."""
+    settings = kv.status()["settings"]
+    assert settings["dram_dir"] == str(kv.dram_dir) and settings["nvme_dir"] == str(kv.nvme_dir)
+
+    def status_of_another_user() -> None:
+        st = json.loads(os.getxattr(".", "user.kvfs.status"))
+        assert st["settings"] == {"chunk_size": 65536, "cache_mode": False}
+        assert str(kv.nvme_dir) not in json.dumps(st) and str(kv.dram_dir) not in json.dumps(st)
+
+    assert _as(_CALLERS["other"], status_of_another_user, kv.path) == 0
 
 
 def _ram_of(directory) -> int:
