@@ -1297,6 +1297,27 @@ def test_a_write_the_kernel_makes_itself_clears_setid_bits(kv):
     assert stat.S_IMODE(os.stat(p).st_mode) == 0o777
 
 
+def test_every_chown_moves_ctime(kv):
+    """Root's chown and fchown, the owner's chgrp, and chown(f, -1, -1), which changes
+    nothing else: each is a SETATTR, and ctime moves with every one."""
+    p = kv.path / "owned"
+    p.write_bytes(b"x" * 100)
+    before = os.stat(p).st_ctime_ns
+    for change in (lambda: os.chown(p, _OWNER, _GROUP), lambda: os.chown(p, -1, -1),
+                   lambda: _as(_CALLERS["owner"], lambda: os.chown("owned", -1, _GROUP2),
+                               kv.path),
+                   lambda: _as(_CALLERS["owner"], lambda: os.chown("owned", -1, -1),
+                               kv.path)):
+        assert not change()
+        after = os.stat(p).st_ctime_ns
+        assert after > before
+        before = after
+    with open(p, "rb") as f:
+        os.fchown(f.fileno(), 0, 0)
+        assert os.fstat(f.fileno()).st_ctime_ns > before
+    assert (os.stat(p).st_uid, os.stat(p).st_gid) == (0, 0)
+
+
 def test_status_shows_the_tier_directories_only_to_root(kv):
     """kvfsctl status: anyone may see how the tiers do, only root (or the daemon's user)
     where they are."""
