@@ -38,6 +38,7 @@ the DRAM file's contents as the file (`take_stream`), as soon as no request wait
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import functools
 import itertools
@@ -55,7 +56,7 @@ import trio.testing
 
 from kvfs.config import FAST_OPEN_FILES_MAX
 from kvfs.faults import CrashPoints
-from kvfs.namespace import Inode, Namespace, NamespaceError
+from kvfs.namespace import NAME_MAX, Inode, Namespace, NamespaceError
 from kvfs.store.chunkstore import ChunkError, ChunkStore, NoSpace
 from kvfs.tiering import StreamingPolicy
 
@@ -88,6 +89,27 @@ MAPPED_CHECK_S = 5.0
 # Files of at most this many chunks go to the front thread's table (a staged chunk checks
 # its whole file; bigger files are read through the daemon anyway).
 FAST_OPEN_MAX_CHUNKS = 16
+
+
+class Kill(enum.IntEnum):
+    """Why the kernel asks kvfs to clear a file's set-user-ID and set-group-ID bits (the
+    shim's kill handler, kvfs._fuseshim.set_kill_handler)."""
+    WRITE = 0  # a write, or an open with O_TRUNC, by a caller without CAP_FSETID
+    TRUNCATE = 1  # a truncation by such a caller
+    CHOWN = 2  # a change of owner or group, by anyone
+
+
+def _groups_of(pid: int) -> frozenset[int]:
+    """The supplementary groups of process *pid* (a FUSE request names only its caller's
+    fsuid and fsgid); none if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return frozenset(int(g) for g in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return frozenset()
 
 
 @dataclass
@@ -313,6 +335,10 @@ class Operations(pyfuse3.Operations):
     async def setattr(self, inode, attr, fields, fh, ctx):
         await self._taken(inode)
         node = self.ns.get(inode)
+        if not (fields.update_size or fields.update_mode or fields.update_uid
+                or fields.update_gid or fields.update_atime or fields.update_mtime
+                or fields.update_ctime):
+            self._remove_privs(node, ctx)
         if fields.update_size:
             self.revoke(inode)
             if not node.is_reg:
@@ -348,6 +374,58 @@ class Operations(pyfuse3.Operations):
                 self.store.resized(inode, attr.st_size)
             apply()
         return self._attr(node)
+
+    # -- set-user-ID and set-group-ID -------------------------------------------------------
+    # Cleared as on a local filesystem, which the kernel leaves to kvfs (the shim asks for
+    # FUSE_HANDLE_KILLPRIV_V2): by a write or a truncation whose caller lacks CAP_FSETID,
+    # and by any change of owner or group. Set-group-ID without group execute (the file does
+    # not run with the group's id) goes only for a caller outside the file's group, and not
+    # for one with CAP_FSETID (root, here) changing its owner.
+    def kill_suidgid(self, ino: int, uid: int, gid: int, pid: int, why: int) -> None:
+        """The kernel asks for it in the request the shim is about to dispatch (on the FUSE
+        thread, before the request's own handler)."""
+        try:
+            node = self.ns.inodes.get(ino)
+            if node is None or node.is_dir:
+                return
+            mode = self._setid_cleared(node, gid, pid, capable=why == Kill.CHOWN and uid == 0)
+            if mode == node.mode:
+                return
+            node.mode = mode
+            node.ctime_ns = time.time_ns()
+            self.ns.save(node)
+            if why == Kill.WRITE:  # (a SETATTR's reply carries the new mode)
+                with contextlib.suppress(OSError):  # ENOENT: the kernel has no copy
+                    pyfuse3.invalidate_inode(ino, attr_only=True)
+        except Exception:
+            log.exception("clearing set-user-ID and set-group-ID of inode %d", ino)
+
+    @staticmethod
+    def _setid_cleared(node: Inode, gid: int, pid: int, capable: bool) -> int:
+        """*node*'s mode without the set-id bits that go for the caller (fsgid *gid*)."""
+        mode = node.mode & ~stat.S_ISUID
+        if mode & stat.S_ISGID and (mode & stat.S_IXGRP or not capable and node.gid != gid
+                                    and node.gid not in _groups_of(pid)):
+            mode &= ~stat.S_ISGID
+        return mode
+
+    def _remove_privs(self, node: Inode, ctx) -> None:
+        """A SETATTR with nothing to set. The kernel sends one, having taken out the bits it
+        asks to clear, for chown(f, -1, -1), and for its file_remove_privs before a write it
+        makes without kvfs (passthrough) by a writer without CAP_FSETID. Either clears what
+        a chown would. A caller neither root nor the owner may not chown (EPERM, as on
+        tmpfs, if a bit would go): while the file is open for writing, it is taken for the
+        writer."""
+        if node.is_dir:
+            return
+        mode = self._setid_cleared(node, ctx.gid, ctx.pid, capable=ctx.uid == 0)
+        if mode == node.mode:
+            return
+        if ctx.uid not in (0, node.uid) and not any(
+                h.ino == node.ino and h.flags & os.O_ACCMODE != os.O_RDONLY
+                for h in self.handles.values()):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        node.mode = mode
 
     @_errors
     async def readlink(self, inode, ctx):
@@ -721,7 +799,7 @@ class Operations(pyfuse3.Operations):
         mode = await self._passthrough_mode(node, flags)
         if mode is not None and not mode[1] and not mode[2]:
             # The kernel reads it without us: the whole file counts as read now.
-            self.readahead.read(inode, 0, node.size, ctx.pid)
+            self.readahead.read_whole(inode, node.size, ctx.pid)
             self._offer_fast_open(node, ready=True)
         return self._open_handle(node, flags, ctx.pid, mode)
 
@@ -1016,7 +1094,7 @@ class Operations(pyfuse3.Operations):
         s.f_bfree = s.f_bavail = max(0, cap - used) // BLOCK_SIZE
         s.f_files = max(1 << 24, 4 * len(self.ns.inodes))
         s.f_ffree = s.f_favail = s.f_files - len(self.ns.inodes)
-        s.f_namemax = 255
+        s.f_namemax = NAME_MAX
         return s
 
     @_errors
@@ -1040,7 +1118,7 @@ class Operations(pyfuse3.Operations):
     async def getxattr(self, inode, name, ctx):
         if self.control.handles(name):
             await self.finish_takes()  # `where` and `status` count closed files as taken
-            return self.control.get(inode, name[len(CONTROL_PREFIX):])
+            return self.control.get(inode, name[len(CONTROL_PREFIX):], ctx.uid)
         self.ns.get(inode)
         self._check_xattr_name(name)
         value = self.ns.getxattr(inode, name)

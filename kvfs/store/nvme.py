@@ -180,12 +180,14 @@ class NvmeLog:
             if not (name.startswith("seg-") and name.endswith(".kvs")):
                 continue
             path = os.path.join(self.directory, name)
+            # A file the daemon may not open fails the mount (the OSError names it): left
+            # out, its records would read as lost.
+            with open(path, "rb") as f:  # buffered: O_DIRECT wants aligned buffers
+                head = f.read(SEGMENT_HEADER.size)
             try:
-                with open(path, "rb") as f:  # buffered: O_DIRECT wants aligned buffers
-                    head = f.read(SEGMENT_HEADER.size)
                 magic, version, stream, seg_id, fsid, _ = SEGMENT_HEADER.unpack(head)
-            except (struct.error, OSError) as exc:
-                log.warning("ignoring unreadable segment file %s: %s", path, exc)
+            except struct.error:
+                log.warning("ignoring %s: too short for a segment header", path)
                 continue
             if magic != SEGMENT_MAGIC or fsid != self.fs_uuid:
                 log.warning("ignoring %s: not a segment of this filesystem", path)
