@@ -77,7 +77,8 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                         "files, but a sparse file's scattered chunks take 2 MiB each), "
                         "read_through_min= (files at least this long, default 4M, 0 for "
                         "none, are read from NVMe through the daemon with read-ahead "
-                        "instead of being staged whole in DRAM first)")
+                        "instead of being staged whole in DRAM first), meta_size= (most "
+                        "the metadata may grow to, default 64G)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
