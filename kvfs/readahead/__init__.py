@@ -374,8 +374,12 @@ class Readahead:
         skipped); returns how many were loaded."""
         if not self.enabled or self.meta is None:
             return 0
-        stale, n = [], 0
+        stale, n, damaged = [], 0, 0
         for k, v in self.meta.scan("successors"):
+            if len(k) != 8 or len(v) != _SUCC.size:  # damaged: only a hint, dropped
+                damaged += 1
+                stale.append(k)
+                continue
             a, (b, code) = from_u64(k), _SUCC.unpack(v)
             if self.size_of is not None and (self.size_of(a) is None or self.size_of(b) is None):
                 stale.append(k)
@@ -383,6 +387,8 @@ class Readahead:
             self.graph.link(a, b, _CODE_KINDS.get(code, KIND_WRITE))
             n += 1
         self.graph.take_dirty()
+        if damaged:
+            log.warning("dropped %d damaged entries of the learned read order", damaged)
         if stale:
             with self.meta.write() as txn:
                 for k in stale:
