@@ -14,10 +14,11 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import struct
 
 import xxhash
 
-from kvfs.store.chunkstore import _LOC, LOST, PACKED, SEALED
+from kvfs.store.chunkstore import LOST, PACKED, SEALED, parse_loc
 from kvfs.store.codec import Codec, CodecError
 from kvfs.store.meta import FormatError, MetaStore, from_key2, from_u64
 from kvfs.store.nvme import NvmeLog, RecordError
@@ -57,11 +58,16 @@ def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
     codec = Codec()
     errors = 0
     chunks = nvme_ok = dram_ok = lost = 0
-    inodes = {from_u64(k) for k, _ in meta.scan("inodes")}
+    inodes = {from_u64(k) for k, _ in meta.scan("inodes") if len(k) == 8}
     for k, v in meta.scan("chunks"):
-        ino, c = from_key2(k)
-        dram_slot, seg, off, rec_len, raw_len, stored, codec_id, flags, csum, seq = \
-            _LOC.unpack(v)
+        try:
+            ino, c = from_key2(k)
+            loc = parse_loc(v, cs)
+        except (struct.error, ValueError) as exc:
+            out(f"chunks entry {k.hex()}: damaged ({exc})")
+            errors += 1
+            continue
+        dram_slot, seg, off, rec_len, raw_len, stored, codec_id, flags, csum, seq = loc
         chunks += 1
         where = f"inode {ino} chunk {c}"
         if ino not in inodes:
@@ -104,7 +110,10 @@ def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
             else:
                 dram_ok += 1
     for k, v in meta.scan("dirents"):
-        if from_u64(v) not in inodes:
+        if len(k) <= 8 or len(v) != 8:
+            out(f"dirents entry {k.hex()}: damaged")
+            errors += 1
+        elif from_u64(v) not in inodes:
             out(f"directory {from_u64(k[:8])} entry {k[8:]!r}: names a missing inode")
             errors += 1
     nvme.close()
