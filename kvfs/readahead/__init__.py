@@ -39,7 +39,7 @@ import os
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import trio
 
@@ -67,6 +67,8 @@ HINT = "hint"  # owner of hinted chunks
 # The learned order is saved to lmdb this often (and at unmount), so that a restarted daemon
 # predicts from its first read; losing the last interval to a crash costs only predictions.
 SAVE_INTERVAL_S = 1.0
+# A read spanning more chunks than this steps through the chunks its file has, not its holes.
+SPARSE_SCAN_CHUNKS = 64
 # lmdb table `successors`: ino u64 (big-endian key) -> successor u64, edge kind u8.
 _SUCC = struct.Struct("<QB")
 _KIND_CODES = {KIND_WRITE: 0, KIND_READ: 1}
@@ -153,7 +155,14 @@ class Readahead:
         if end <= off:
             return
         now = self.clock()
-        for c in range(off // cs, (end - 1) // cs + 1):
+        first, last = off // cs, (end - 1) // cs
+        chunks: Iterable[int] = range(first, last + 1)
+        if last - first >= SPARSE_SCAN_CHUNKS:
+            # A long range (the whole file at a passthrough open): only the chunks the file
+            # has are steps. A sparse file of a TiB would otherwise take hours of steps
+            # through its holes, with every request waiting.
+            chunks = [c for c in self.store.index.chunks_of(ino, last + 1) if c >= first]
+        for c in chunks:
             self._read(pid, (ino, c), now)
 
     def closed(self, ino: int, pid: int) -> None:
@@ -162,7 +171,7 @@ class Readahead:
             # so when it is read again, no prefetch will have brought it in. Treat its
             # chunks like a read hit that prediction did not see coming (protected).
             self._heads.discard(ino)
-            for c in range(self._nchunks(ino)):
+            for c in self.store.index.chunks_of(ino, self._nchunks(ino)):  # (not holes)
                 loc = self.store.get(ino, c)
                 if loc is not None and loc.dram_slot >= 0:
                     self.store.policy.hit((ino, c))
@@ -188,7 +197,7 @@ class Readahead:
             self.hints_ignored += 1
             return
         now = self.clock()
-        for c in range(self._nchunks(ino, size)):
+        for c in self.store.index.chunks_of(ino, self._nchunks(ino, size)):  # (not holes)
             key = (ino, c)
             if self.hints.add(key, now):
                 self.sched.want(key, HINT, now, KIND_HINT)
