@@ -64,11 +64,14 @@ class Inode:
         return stat.S_ISREG(self.mode)
 
 
-def _parse_inode(k: bytes, v: bytes) -> Inode:
+def parse_inode(k: bytes, v: bytes) -> Inode:
     ino = from_u64(k)
     if not ROOT_INODE <= ino < COUNTER_MAX:
         raise ValueError(f"inode number {ino}")
-    return Inode.unpack(ino, v)
+    inode = Inode.unpack(ino, v)
+    if inode.size >= 1 << 63:  # beyond off_t: no request about it could be answered
+        raise ValueError(f"inode {ino}: size {inode.size}")
+    return inode
 
 
 def _parse_dirent(k: bytes, v: bytes) -> tuple[int, bytes, int]:
@@ -114,7 +117,7 @@ class Namespace:
 
     # -- loading ---------------------------------------------------------------------------
     def _load(self) -> None:
-        for inode in self.meta.load("inodes", _parse_inode):
+        for inode in self.meta.load("inodes", parse_inode):
             self.inodes[inode.ino] = inode
         self.files = sum(1 for i in self.inodes.values() if i.is_reg and i.nlink)
         for parent, name, child in self.meta.load("dirents", _parse_dirent):

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from kvfs import fsck
 from kvfs.assemble import Assembly
 from kvfs.config import Settings
+from kvfs.namespace import _INODE, parse_inode
 from kvfs.store.chunkstore import _LOC, Loc, parse_loc
 from kvfs.store.codec import CODEC_NAMES, Codec, CodecError, CodecPolicy
 from kvfs.store.dram import remove_dram_dir
@@ -213,6 +214,25 @@ def test_chunk_location_parser(raw):
     assert isinstance(loc, Loc) and loc.raw_len <= CHUNK and loc.dram_slot >= -1
     if loc.seg:
         assert loc.rec_len == record_length(loc.stored_len) and loc.off % BLOCK == 0
+
+
+@FUZZ
+@given(key=st.one_of(st.binary(max_size=10), U64.map(lambda n: struct.pack(">Q", n))),
+       value=st.one_of(st.binary(max_size=70),
+                       st.tuples(U32, U32, U32, U32, U64,
+                                 st.one_of(st.sampled_from([1 << 50, 1 << 63, (1 << 64) - 1]),
+                                           U64), st.integers(-(1 << 63), -1),
+                                 st.integers(0, (1 << 63) - 1), st.integers(-5, 5), U64)
+                       .map(lambda t: _INODE.pack(*t))))
+def test_inode_parser(key, value):
+    """Whatever an inode entry holds, it loads as an inode whose every field a FUSE reply
+    can carry, or is refused as damaged (a size past 2^63 made every request about the
+    file, a lookup or a readdir of its directory, fail with a traceback)."""
+    try:
+        inode = parse_inode(key, value)
+    except (ValueError, struct.error):
+        return
+    assert 0 <= inode.size < 1 << 63 and 1 <= inode.ino < 1 << 62
 
 
 # -- a whole store's metadata, as a mount loads it ---------------------------------------------
