@@ -34,8 +34,10 @@ EXAMPLES = int(os.environ.get("KVFS_MODEL_EXAMPLES", "8"))
 STEPS = int(os.environ.get("KVFS_MODEL_STEPS", "40"))
 # Remounts and crashes per example, at most.
 EVENTS = int(os.environ.get("KVFS_MODEL_EVENTS", "1"))
-# Set by tools/model_check.py: new random examples on every run instead of the fixed ones.
+# Set by tools/model_check.py: new random examples on every run instead of the fixed ones,
+# and mount options (`key=value,...`) on top of the small tiers.
 RANDOM = bool(os.environ.get("KVFS_MODEL_RANDOM"))
+OPTIONS = dict(o.split("=", 1) for o in os.environ.get("KVFS_MODEL_OPTIONS", "").split(",") if o)
 
 DIRS = ["d", "e", "d/s"]
 FILES = ["a", "b", "c", "d/a", "d/b", "e/a", "d/s/a"]
@@ -400,10 +402,10 @@ def _run(mount, lose_dram: bool = False) -> None:
         shutil.rmtree(ref, ignore_errors=True)
 
 
-def test_model_small_tiers(kv):
-    _run(kv)
+def test_model_small_tiers(mount_factory):
+    _run(mount_factory(**OPTIONS))
 
 
 def test_model_crashes_lose_dram(mount_factory):
     """With a 1 MiB DRAM tier, and crashes that lose it."""
-    _run(mount_factory(dram_size="1M"), lose_dram=True)
+    _run(mount_factory(**{"dram_size": "1M", **OPTIONS}), lose_dram=True)

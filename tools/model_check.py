@@ -8,6 +8,7 @@ as the sequence of steps that reproduces it (paste it into a test to replay it).
 
     python tools/model_check.py --examples 200            # ~10-20 min on the 2-core box
     python tools/model_check.py --examples 50 --steps 100 --events 3 -k lose_dram
+    python tools/model_check.py --examples 50 -o dram_compress=1,passthrough=0
     python tools/model_check.py --fixed                   # CI's derandomized examples
 """
 
@@ -30,10 +31,13 @@ def main() -> int:
                     help="remounts and crashes per example, at most (CI: 1)")
     ap.add_argument("--fixed", action="store_true",
                     help="the derandomized examples CI runs, instead of new random ones")
+    ap.add_argument("-o", "--options", default="",
+                    help="mount options on top of the small tiers, e.g. dram_compress=1")
     ap.add_argument("-k", default="", help="pytest -k selection among the model's tests")
     args = ap.parse_args()
     env = dict(os.environ, KVFS_MODEL_EXAMPLES=str(args.examples),
-               KVFS_MODEL_STEPS=str(args.steps), KVFS_MODEL_EVENTS=str(args.events))
+               KVFS_MODEL_STEPS=str(args.steps), KVFS_MODEL_EVENTS=str(args.events),
+               KVFS_MODEL_OPTIONS=args.options)
     if not args.fixed:
         env["KVFS_MODEL_RANDOM"] = "1"
     # Run this checkout's kvfs (the daemon is started as `python -m kvfs`).
