@@ -397,3 +397,40 @@ def test_a_segment_with_a_damaged_header_reads_eio(mount_factory):
             eio += 1
     assert 0 < eio < len(files)
     assert "Traceback" not in m.log()
+
+
+def _locs(m, ino: int) -> dict[bytes, bytes]:
+    env = lmdb.open(str(m.nvme_dir / "meta"), max_dbs=len(TABLES), readonly=True, lock=False)
+    try:
+        with env.begin(db=env.open_db(b"chunks", create=False)) as txn:
+            prefix = struct.pack(">Q", ino)
+            return {k: v for k, v in txn.cursor() if k.startswith(prefix)}
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("lose_dram", [True, False])
+def test_a_location_damaged_into_another_reads_eio(mount_factory, lose_dram):
+    """A chunk location that is well formed but names another chunk's copy (its record, or
+    with the DRAM tier kept, a region holding other bytes under a wrong checksum): the
+    chunk reads EIO, never the other chunk's bytes; the other files read as written."""
+    m = mount_factory()
+    files = {name: os.urandom(3 * CHUNK) for name in ("a", "b", "c")}
+    for name, data in files.items():
+        (m.path / name).write_bytes(data)
+    ino_a, ino_b = os.stat(m.path / "a").st_ino, os.stat(m.path / "b").st_ino
+    m.unmount()  # (everything written back to NVMe)
+    if lose_dram:
+        m.lose_dram()
+    ka = sorted(_locs(m, ino_a))[1]
+    vb = _locs(m, ino_b)[sorted(_locs(m, ino_b))[1]]
+    _put(m, b"chunks", ka, vb)  # a's chunk 1 names b's chunk 1 (its record, seq, checksum)
+    m.start()
+    with pytest.raises(OSError) as ei:
+        (m.path / "a").read_bytes()
+    assert ei.value.errno == errno.EIO
+    with open(m.path / "a", "rb") as f:  # the undamaged chunks still read
+        assert f.read(CHUNK) == files["a"][:CHUNK]
+    for name in ("b", "c"):
+        assert (m.path / name).read_bytes() == files[name]
+    assert "Traceback" not in m.log()
