@@ -47,6 +47,8 @@ class FakeStore:
         self.dram = SimpleNamespace(capacity=64 * CS)
         self.in_dram: set = set()
         self.through: set = set()  # files read through the daemon, never prefetched
+        self.index = SimpleNamespace(  # (ChunkIndex.chunks_of: the chunks a file has)
+            chunks_of=lambda ino, upto: [c for c in range(upto) if self.get(ino, c)])
 
         self.read_ahead: list = []
         self.index = SimpleNamespace(chunks_of=lambda ino, upto: [
