@@ -784,12 +784,11 @@ class ChunkStore:
                     self.space_waiters -= 1
 
     def _drop_one_clean(self) -> bool:
-        for key in self.policy.victims():
-            if self.is_clean(key) and not self.policy.keep(key):
-                self.drop_dram_copy(key)
-                return True
-            break  # dirty, or wanted by readahead: the demoter keeps eviction order
-        return False
+        key = self.policy.coldest()
+        if key is not None and self.is_clean(key) and not self.policy.keep(key):
+            self.drop_dram_copy(key)
+            return True
+        return False  # dirty, wanted by readahead or far: the demoter keeps eviction order
 
     async def run_disposals(self) -> None:
         """Remove DRAM files nobody needs any more in a worker thread, not on the trio thread
