@@ -38,3 +38,17 @@ def test_demotion_looks_at_each_key_about_once(kv):
     # A pass looks at each key about once (once more where a write waiting for room looks
     # at the coldest, or a pass stops and the next starts over), whatever DRAM holds.
     assert examined <= 4 * moved + 4 * SCAN_STEP, (examined, moved)
+
+
+def test_writing_small_files_does_not_scan_the_block_index(kv):
+    """Each create asked how much RAM the files the kernel writes hold, and each of their
+    takes which chunks their inode had: both walked the whole block index (every chunk of
+    the store), so writing a file cost more the more files there were (defect 5)."""
+    before = kv.status()["index"]["scanned_entries"]
+    _write_small_files(kv.path / "small", SMALL_FILES)
+    st = kv.status()
+    assert st["passthrough"]["write_opens"] > SMALL_FILES // 2  # the kernel wrote them
+    scanned = st["index"]["scanned_entries"] - before
+    # A walk of the index is still the cheaper way to answer for a file of many chunks while
+    # the index is small (tens of entries per chunk asked about): never more than that.
+    assert scanned <= 32 * SMALL_FILES, scanned

@@ -1587,7 +1587,7 @@ class ChunkStore:
                                              for c, n in zip(data, lens, strict=True)])
         present = set(data)
         with self.meta.write() as txn:
-            for c in self.index.chunks_of(ino, 1 << 62):
+            for c in self._stream_chunks(ino, size):
                 if c not in present:  # (a set built per chunk made big files' takes O(n^2))
                     self._replace(txn, ino, c, self.get(ino, c), None)
             for c, n, csum in zip(data, lens, sums, strict=True):
@@ -1618,9 +1618,17 @@ class ChunkStore:
         (what was written since they were opened or last taken)."""
         out = 0
         for ino in self.streaming:
-            counted = sum(self.dram_pages((ino, c)) for c in self.index.chunks_of(ino, 1 << 62))
+            counted = sum(self.dram_pages((ino, c))
+                          for c in self._stream_chunks(ino, self.stream_size(ino)))
             out += max(0, self.stream_blocks(ino) - counted)
         return out
+
+    def _stream_chunks(self, ino: int, size: int) -> list[int]:
+        """The chunks recorded for a file the kernel writes, whose DRAM file is *size* long.
+        They all lie within it: the kernel only makes it longer, and a truncation cuts it
+        and the chunks past its new end together (`truncate`). Asking the index for every
+        chunk the inode might have scanned the whole index, at every create (issue 33)."""
+        return self.index.chunks_of(ino, self._nchunks(size))
 
     def end_stream(self, ino: int) -> None:
         """The file being written by the kernel is gone (unlinked, last close) or could not
