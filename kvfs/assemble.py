@@ -86,7 +86,8 @@ class Assembly:
             for inode in files:
                 self.evictor.touch(inode.ino)
             extra.append(lambda: {"evictions": {"files": self.evictor.evicted_files,
-                                                "bytes": self.evictor.evicted_bytes}})
+                                                "bytes": self.evictor.evicted_bytes,
+                                                "examined_files": self.evictor.examined}})
         self.store.codec_context = self._codec_context
         self.store.size_of = self._size_of
         self.demoter = Demoter(self.store, high=s.dram_high_watermark, low=s.dram_low_watermark,

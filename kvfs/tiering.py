@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 import trio
 
@@ -43,10 +43,10 @@ class KeyQueue:
     __slots__ = ("_next", "_prev", "_head", "_tail", "_walks")
 
     def __init__(self) -> None:
-        self._next: dict[Key, Key | None] = {}
-        self._prev: dict[Key, Key | None] = {}
-        self._head: Key | None = None
-        self._tail: Key | None = None
+        self._next: dict[Hashable, Hashable | None] = {}
+        self._prev: dict[Hashable, Hashable | None] = {}
+        self._head: Hashable | None = None
+        self._tail: Hashable | None = None
         self._walks: list[_Spot] = []
 
     def __len__(self) -> int:
@@ -55,14 +55,14 @@ class KeyQueue:
     def __contains__(self, key: object) -> bool:
         return key in self._next
 
-    def __iter__(self) -> Iterator[Key]:
+    def __iter__(self) -> Iterator[Hashable]:
         """The keys, cold end first; the queue must not change meanwhile (see `start_walk`)."""
         key = self._head
         while key is not None:
             yield key
             key = self._next[key]
 
-    def append(self, key: Key) -> None:
+    def append(self, key: Hashable) -> None:
         """Put *key* at the hot end (moved there if it is in the queue)."""
         if key == self._tail:
             return
@@ -79,7 +79,7 @@ class KeyQueue:
                 spot.key = key
                 spot.at_end = False
 
-    def appendleft(self, key: Key) -> None:
+    def appendleft(self, key: Hashable) -> None:
         """Put *key* at the cold end (moved there if it is in the queue)."""
         if key == self._head:
             return
@@ -92,7 +92,7 @@ class KeyQueue:
             self._prev[self._head] = key
         self._head = key
 
-    def discard(self, key: Key) -> None:
+    def discard(self, key: Hashable) -> None:
         if key not in self._next:
             return
         after = self._next.pop(key)
@@ -110,7 +110,7 @@ class KeyQueue:
                 spot.key = after
                 spot.at_end = after is None
 
-    def popleft(self) -> Key:
+    def popleft(self) -> Hashable:
         key = self._head
         if key is None:
             raise KeyError("pop from an empty queue")
@@ -126,7 +126,7 @@ class KeyQueue:
         self._walks.append(spot)
         return spot
 
-    def step(self, spot: _Spot) -> Key | None:
+    def step(self, spot: _Spot) -> Hashable | None:
         """The key *spot* stands on (it moves on to the next), or None at the hot end."""
         key = spot.key
         if key is not None:
@@ -145,7 +145,7 @@ class _Spot:
 
     __slots__ = ("key", "at_end")
 
-    def __init__(self, key: Key | None) -> None:
+    def __init__(self, key: Hashable | None) -> None:
         self.key = key
         self.at_end = key is None
 
@@ -447,29 +447,34 @@ class FileEvictor:
     def __init__(self, remove_file, file_bytes) -> None:
         self.remove_file = remove_file
         self.file_bytes = file_bytes
-        self.lru: OrderedDict[int, None] = OrderedDict()
+        # Least recently opened first. A KeyQueue, so that an eviction walks from the cold
+        # end only as far as it evicts (it copied the whole list of files each time).
+        self.lru = KeyQueue()
         self.evicted_files = 0
         self.evicted_bytes = 0
+        self.examined = 0  # files evictions looked at (status: evictions.examined_files)
 
     def touch(self, ino: int) -> None:
-        self.lru[ino] = None
-        self.lru.move_to_end(ino)
+        self.lru.append(ino)
 
     def forget(self, ino: int) -> None:
-        self.lru.pop(ino, None)
+        self.lru.discard(ino)
 
     def evict(self, need: int) -> bool:
         """Remove cold files until about *need* bytes are freed; False if nothing could go."""
         freed = 0
-        for ino in list(self.lru):
-            if freed >= need:
-                break
-            size = self.file_bytes.get(ino, 0)
-            if self.remove_file(ino):  # False for open files: they stay candidates
-                self.lru.pop(ino, None)
-                self.evicted_files += 1
-                self.evicted_bytes += size
-                freed += max(size, 1)
+        spot = self.lru.start_walk()
+        try:
+            while freed < need and (ino := self.lru.step(spot)) is not None:
+                self.examined += 1
+                size = self.file_bytes.get(ino, 0)
+                if self.remove_file(ino):  # False for open files: they stay candidates
+                    self.lru.discard(ino)
+                    self.evicted_files += 1
+                    self.evicted_bytes += size
+                    freed += max(size, 1)
+        finally:
+            self.lru.end_walk(spot)
         return freed > 0
 
 

@@ -52,3 +52,18 @@ def test_writing_small_files_does_not_scan_the_block_index(kv):
     # A walk of the index is still the cheaper way to answer for a file of many chunks while
     # the index is small (tens of entries per chunk asked about): never more than that.
     assert scanned <= 32 * SMALL_FILES, scanned
+
+
+def test_cache_mode_eviction_looks_at_the_files_it_evicts_only(mount_factory):
+    """Each eviction (a write finding the store full, in cache mode) copied the list of every
+    file to walk it from the cold end: writes into a full cache cost more the more files it
+    held."""
+    m = mount_factory(nvme_size="24M", segment_size="1M", cache_mode="1")
+    blob = os.urandom(8192)
+    d = m.path / "blocks"
+    d.mkdir()
+    for i in range(3000):
+        (d / f"{i:05d}").write_bytes(blob)
+    ev = m.status()["evictions"]
+    assert ev["files"] >= 500
+    assert ev["examined_files"] <= 2 * ev["files"] + 64, ev
