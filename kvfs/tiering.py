@@ -174,8 +174,9 @@ class DramPolicy:
         # in from NVMe. It enters protected like a hit: it was reused (written, then read),
         # and prefetching will not have it in time for the next such read either.
         self.unpredicted: Callable[[Key], bool] = _no
-        # Keys that searches for victims looked at (`kvfsctl status --json`: demotion): what
-        # a demotion step costs must not grow with the number of chunks in DRAM.
+        # Keys that searches for victims looked at (`kvfsctl status --json`:
+        # moves.victim_keys_examined): per chunk demoted, it must not grow with the number
+        # of chunks in DRAM.
         self.examined = 0
 
     def __len__(self) -> int:
