@@ -17,7 +17,7 @@ a fresh mount). Both were work that grew with the number of files. This runs, in
 - `big writes`: the repro's scenario. 32 x 4 MiB files written on a fresh mount, then
   --small-files 4 KiB files, then the 32 x 4 MiB again, twice (time and daemon CPU).
 
-    python tools/bench_meta.py                                   # ~5 min on the 2-core box
+    python tools/bench_meta.py                                   # ~3.5 min on the 2-core box
     python tools/bench_meta.py --files 100000 --dram-size 256M --small-files 60000
     python tools/bench_meta.py --phases big --small-files 20000  # only the repro's scenario
 """
