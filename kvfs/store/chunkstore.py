@@ -904,12 +904,11 @@ class ChunkStore:
                     raise NoSpace()
 
     def _drop_one_clean(self) -> bool:
-        for key in self.policy.victims():
-            if self.is_clean(key) and not self.policy.keep(key):
-                self.drop_dram_copy(key)
-                return True
-            break  # dirty, or wanted by readahead: the demoter keeps eviction order
-        return False
+        key = self.policy.coldest()
+        if key is not None and self.is_clean(key) and not self.policy.keep(key):
+            self.drop_dram_copy(key)
+            return True
+        return False  # dirty, wanted by readahead or far: the demoter keeps eviction order
 
     async def run_disposals(self) -> None:
         """Remove DRAM files nobody needs any more in a worker thread, not on the trio thread
@@ -1709,7 +1708,7 @@ class ChunkStore:
                                              for c, n in zip(data, lens, strict=True)])
         present = set(data)
         with self.meta.write() as txn:
-            for c in self.index.chunks_of(ino, 1 << 62):
+            for c in self._stream_chunks(ino, size):
                 if c not in present:  # (a set built per chunk made big files' takes O(n^2))
                     self._replace(txn, ino, c, self.get(ino, c), None)
             for c, n, csum in zip(data, lens, sums, strict=True):
@@ -1740,9 +1739,17 @@ class ChunkStore:
         (what was written since they were opened or last taken)."""
         out = 0
         for ino in self.streaming:
-            counted = sum(self.dram_pages((ino, c)) for c in self.index.chunks_of(ino, 1 << 62))
+            counted = sum(self.dram_pages((ino, c))
+                          for c in self._stream_chunks(ino, self.stream_size(ino)))
             out += max(0, self.stream_blocks(ino) - counted)
         return out
+
+    def _stream_chunks(self, ino: int, size: int) -> list[int]:
+        """The chunks recorded for a file the kernel writes, whose DRAM file is *size* long.
+        They all lie within it: the kernel only makes it longer, and a truncation cuts it
+        and the chunks past its new end together (`truncate`). Asking the index for every
+        chunk the inode might have scanned the whole index, at every create (issue 33)."""
+        return self.index.chunks_of(ino, self._nchunks(size))
 
     def end_stream(self, ino: int) -> None:
         """The file being written by the kernel is gone (unlinked, last close) or could not
