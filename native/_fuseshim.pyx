@@ -562,7 +562,6 @@ cdef extern from *:
     static uint64_t kvfs_next_ticket = 1;
     static int kvfs_hot_n = 0;
     static int kvfs_hot_limit = KVFS_HOT_SLOTS / 2;
-    static unsigned long long kvfs_fast_opens = 0;
     static struct kvfs_msg *kvfs_parked = NULL;  /* opens of pending files, oldest first */
     static int kvfs_nparked = 0;
     static unsigned long long kvfs_parked_total = 0;
@@ -652,7 +651,6 @@ cdef extern from *:
         m->kind = KVFS_MSG_OPENED;
         m->fh = kvfs_next_fh++;
         kvfs_push(m);
-        kvfs_fast_opens++;
         return m->fh;
     }
 
@@ -787,7 +785,6 @@ cdef extern from *:
     static int kvfs_ahead_top = 0;          /* no slot in use at or above it */
     static uint64_t kvfs_chunk_size = 0;    /* 0: no READ is answered here */
     static pthread_cond_t kvfs_ahead_idle = PTHREAD_COND_INITIALIZER;
-    static unsigned long long kvfs_front_reads = 0;
 
     static int kvfs_ahead_find(uint64_t ino, uint64_t chunk) {  /* with the lock */
         for (int s = 0; s < kvfs_ahead_top; s++)
@@ -914,10 +911,8 @@ cdef extern from *:
                 kvfs_ahead_free(slot[i]);
         }
         pthread_cond_broadcast(&kvfs_ahead_idle);
-        if (m != NULL) {
+        if (m != NULL)
             kvfs_push(m);
-            kvfs_front_reads++;
-        }
         pthread_mutex_unlock(&kvfs_front_lock);
         return 1;  /* (not sent: the reader was interrupted and wants no reply) */
     }
@@ -1286,10 +1281,10 @@ cdef extern from *:
         return n;
     }
 
-    /* Opens answered here (*parked* 0), or parked (1), since the module was loaded. */
-    static unsigned long long kvfs_open_count(int parked) {
+    /* Opens of pending files parked since the module was loaded. */
+    static unsigned long long kvfs_parked_count(void) {
         pthread_mutex_lock(&kvfs_front_lock);
-        unsigned long long n = parked ? kvfs_parked_total : kvfs_fast_opens;
+        unsigned long long n = kvfs_parked_total;
         pthread_mutex_unlock(&kvfs_front_lock);
         return n;
     }
@@ -1303,13 +1298,6 @@ cdef extern from *:
         pthread_mutex_unlock(&kvfs_front_lock);
     }
 
-    static unsigned long long kvfs_read_count(void) {
-        pthread_mutex_lock(&kvfs_front_lock);
-        unsigned long long n = kvfs_front_reads;
-        pthread_mutex_unlock(&kvfs_front_lock);
-        return n;
-    }
-
     static void kvfs_set_opened_handler(PyObject *fn) {
         Py_XINCREF(fn);
         Py_XDECREF(kvfs_opened_fn);
@@ -1318,7 +1306,6 @@ cdef extern from *:
     """
     int kvfs_shim_active
     int kvfs_pt_wanted
-    int kvfs_pt_granted
     int kvfs_no_caps
     int kvfs_backing_open(int fd)
     int kvfs_backing_close(int id)
@@ -1333,14 +1320,13 @@ cdef extern from *:
     int kvfs_hot_ready(unsigned long long ino, unsigned long long ticket) nogil
     void kvfs_hot_revoke(unsigned long long ino)
     int kvfs_set_hot_limit(int n)
-    unsigned long long kvfs_open_count(int parked)
+    unsigned long long kvfs_parked_count()
     void kvfs_set_opened_handler(object fn)
     void kvfs_set_kill_handler(object fn)
     void kvfs_set_read_handler(object fn, unsigned long long chunk_size)
     int kvfs_ahead_offer(unsigned long long ino, unsigned long long chunk, const char *data,
                          unsigned int length)
     void kvfs_ahead_withdraw(unsigned long long ino, long long chunk) nogil
-    unsigned long long kvfs_read_count()
 
 
 def set_fallocate_handler(handler) -> None:
@@ -1380,11 +1366,6 @@ def want_passthrough(on: bool) -> None:
     """Ask the kernel for FUSE passthrough at the next mount (call before pyfuse3.init)."""
     global kvfs_pt_wanted
     kvfs_pt_wanted = 1 if on else 0
-
-
-def passthrough_granted() -> bool:
-    """True once the INIT reply asked for passthrough (the kernel offered it)."""
-    return kvfs_pt_granted != 0
 
 
 def backing_open(int fd) -> int:
@@ -1473,12 +1454,7 @@ def hot_revoke(unsigned long long ino) -> None:
 
 def parked_opens() -> int:
     """Opens of pending files that waited in the front thread for their staging."""
-    return kvfs_open_count(1)
-
-
-def fast_opens() -> int:
-    """Opens answered by the front thread since the module was loaded."""
-    return kvfs_open_count(0)
+    return kvfs_parked_count()
 
 
 def set_read_handler(handler, unsigned long long chunk_size) -> None:
@@ -1507,7 +1483,3 @@ def ahead_withdraw(unsigned long long ino, long long chunk=-1) -> None:
     with nogil:
         kvfs_ahead_withdraw(ino, chunk)
 
-
-def front_reads() -> int:
-    """READs answered by the front thread since the module was loaded."""
-    return kvfs_read_count()
