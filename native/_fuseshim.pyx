@@ -38,6 +38,11 @@ native/shim/, one file per concern (native/shim/kvfs_shim.h lists them):
   the FUSE device itself and answers opens of files in the fast-open table (hot.c) and
   READs from chunks read ahead (ahead.c) without the trio thread.
 
+The rules kvfs.fs applies too (O_DIRECT alignment, the file capabilities' name, the handles
+the front thread gives out, why set-id bits are cleared, how many files the fast-open table
+holds) are kvfs.fs's, handed over before the mount (`set_rules`, `set_kill_handler`,
+`hot_limit`).
+
 If the interposition does not happen, `active()` stays False and kvfs behaves as before
 (fallocate answers EOPNOTSUPP; engines fall back to ftruncate; copies keep the GIL; every
 read comes to the daemon).
@@ -48,14 +53,17 @@ cdef extern from "kvfs_shim.h":
     void kvfs_set_fallocate_handler(object fn)
     void kvfs_fallocate_reply(unsigned long long req, int err)
     void kvfs_set_write_handlers(object plan, object done)
+    void kvfs_set_direct_align(unsigned int align)
+    int kvfs_set_caps_name(const char *name, size_t len)
     void kvfs_set_no_caps(int none)
-    void kvfs_set_kill_handler(object fn)
+    void kvfs_set_kill_handler(object fn, int write, int truncate, int chown)
     void kvfs_want_passthrough(int on)
     int kvfs_backing_open(int fd)
     int kvfs_backing_close(int id)
     void kvfs_pt_mark(unsigned long long fh, int id, int direct)
     void kvfs_want_front_thread(int on)
     int kvfs_front_running()
+    void kvfs_set_first_fast_fh(unsigned long long fh)
     int kvfs_set_hot_limit(int n)
     int kvfs_hot_add(unsigned long long ino, int id)
     unsigned long long kvfs_hot_pending(unsigned long long ino, int id)
@@ -67,6 +75,24 @@ cdef extern from "kvfs_shim.h":
     int kvfs_ahead_offer(unsigned long long ino, unsigned long long chunk, const char *data,
                          unsigned int length)
     void kvfs_ahead_withdraw(unsigned long long ino, long long chunk) nogil
+
+
+def set_rules(*, unsigned int direct_align, bytes file_caps, unsigned long long first_fast_fh
+              ) -> None:
+    """The rules kvfs.fs applies, for the shim to apply too; call before pyfuse3.init.
+    *direct_align*: the alignment of O_DIRECT offsets and lengths (a power of two).
+    *file_caps*: the name of the xattr holding file capabilities. *first_fast_fh*: the first
+    handle the front thread gives out (kvfs.fs's own stay below it). Until this is called,
+    no O_DIRECT alignment is checked in the shim, getxattr of file capabilities always goes
+    to Python, and no open is answered by the front thread."""
+    if direct_align == 0 or direct_align & (direct_align - 1):
+        raise ValueError(f"direct_align must be a power of two, not {direct_align}")
+    if first_fast_fh == 0:
+        raise ValueError("first_fast_fh must be above 0")
+    if kvfs_set_caps_name(file_caps, len(file_caps)) != 0:
+        raise ValueError(f"not an xattr name: {file_caps!r}")
+    kvfs_set_direct_align(direct_align)
+    kvfs_set_first_fast_fh(first_fast_fh)
 
 
 def set_fallocate_handler(handler) -> None:
@@ -93,13 +119,14 @@ def active() -> bool:
     return kvfs_shim_active() != 0
 
 
-def set_kill_handler(handler) -> None:
+def set_kill_handler(handler, *, int write, int truncate, int chown) -> None:
     """handler(ino, uid, gid, pid, why): the request about to be dispatched asks the server
-    to clear the set-user-ID and set-group-ID bits of *ino* (why: 0 a write, or an open with
-    O_TRUNC, by a caller without CAP_FSETID; 1 a truncation by one; 2 a change of owner or
-    group, by anyone), for the caller with those ids. Runs on the FUSE thread with the GIL
-    held, before the request's own handler; must not block or raise."""
-    kvfs_set_kill_handler(handler)
+    to clear the set-user-ID and set-group-ID bits of *ino*, for the caller with those ids;
+    *why* is *write* for a write, or an open with O_TRUNC, by a caller without CAP_FSETID,
+    *truncate* for a truncation by one, *chown* for a change of owner or group, by anyone.
+    Runs on the FUSE thread with the GIL held, before the request's own handler; must not
+    block or raise."""
+    kvfs_set_kill_handler(handler, write, truncate, chown)
 
 
 def want_passthrough(on: bool) -> None:
@@ -179,8 +206,13 @@ def hot_ready(unsigned long long ino, unsigned long long ticket) -> bool:
 
 
 def hot_limit(int n) -> int:
-    """At most *n* files in the table (clamped to 1..16,384); returns the limit set."""
-    return kvfs_set_hot_limit(n)
+    """At most *n* files in the table (at least 1; kvfs.config.FAST_OPEN_FILES_MAX bounds
+    what kvfs asks), which grows to hold them; returns the limit set. Until it is called,
+    the table holds none."""
+    cdef int r = kvfs_set_hot_limit(n)
+    if r < 0:
+        raise MemoryError(f"no room for a fast-open table of {n} files")
+    return r
 
 
 def hot_revoke(unsigned long long ino) -> None:

@@ -2,24 +2,26 @@
    inode (to drop file capabilities; once per inode, see FUSE_HANDLE_KILLPRIV_V2 in
    passthrough.c), answered ENODATA here while no file has any security.* xattr (kept by the
    namespace, handed over with set_no_capabilities): one Python request less per file
-   written. Answered on the FUSE thread (pyfuse3's getxattr handler wrapped) or, with the
-   front thread, there. */
+   written. The name is kvfs.fs.FILE_CAPS, handed over by set_rules. Answered on the FUSE
+   thread (pyfuse3's getxattr handler wrapped) or, with the front thread, there. */
 #include "kvfs_shim.h"
 
 #include <errno.h>
+#include <linux/limits.h>
 #include <string.h>
 
 typedef void (*getxattr_t)(fuse_req_t, fuse_ino_t, const char *, size_t);
 
-static const char name[] = "security.capability";
-#define name_size sizeof name  /* with its NUL, as the request carries it */
+/* Set before the mount; name_size 0 (until set_rules): no shortcut. */
+static char name[XATTR_NAME_MAX + 1];
+static size_t name_size = 0;  /* with its NUL, as the request carries it */
 /* Written by Python's thread (a first security.* xattr), read by the FUSE and front
    threads: answering ENODATA while it is being set is answering just before. */
 static int no_caps = 0;
 static getxattr_t pyfuse3_getxattr = NULL;
 
 static int asks_caps(const char *asked, size_t avail) {
-    return no_caps && avail >= name_size
+    return no_caps && name_size != 0 && avail >= name_size
            && memcmp(asked, name, name_size) == 0;
 }
 
@@ -45,6 +47,16 @@ int kvfs_fast_no_caps(const char *mem, size_t n) {
         return 0;
     kvfs_front_reply_error(h->unique, ENODATA);
     return 1;
+}
+
+/* -EINVAL if *len* bytes cannot be an xattr name. */
+int kvfs_set_caps_name(const char *s, size_t len) {
+    if (len == 0 || len > XATTR_NAME_MAX || memchr(s, 0, len) != NULL)
+        return -EINVAL;
+    memcpy(name, s, len);
+    name[len] = 0;
+    name_size = len + 1;
+    return 0;
 }
 
 void kvfs_set_no_caps(int none) {

@@ -1,7 +1,7 @@
 /* O_DIRECT alignment, checked from the flags the kernel sends with every READ and WRITE (the
    descriptor's current ones: O_DIRECT set later with fcntl(F_SETFL) counts, which kvfs,
    knowing only the flags of the open, would miss). Unaligned offsets or lengths get EINVAL,
-   as on ext4. */
+   as on ext4. The alignment is kvfs.fs.DIRECT_IO_ALIGN, handed over by set_rules. */
 #include "kvfs_shim.h"
 
 #include <errno.h>
@@ -11,12 +11,14 @@ typedef void (*read_t)(fuse_req_t, fuse_ino_t, size_t, off_t, struct fuse_file_i
 typedef void (*write_buf_t)(fuse_req_t, fuse_ino_t, struct fuse_bufvec *, off_t,
                             struct fuse_file_info *);
 
-#define KVFS_DIRECT_ALIGN 512
+/* A power of two; 0 (until set_rules): nothing is checked here. Set before the mount, read
+   by the FUSE and front threads. */
+static unsigned int align = 0;
 static read_t next_read = NULL;
 static write_buf_t next_write_buf = NULL;
 
 int kvfs_direct_misaligned(uint32_t flags, uint64_t off, uint64_t size) {
-    return (flags & O_DIRECT) && ((off | size) & (KVFS_DIRECT_ALIGN - 1));
+    return (flags & O_DIRECT) && align != 0 && ((off | size) & (align - 1));
 }
 
 static int misaligned(const struct fuse_file_info *fi, off_t off, size_t size) {
@@ -51,4 +53,8 @@ void kvfs_direct_install(struct fuse_lowlevel_ops *ops) {
         next_write_buf = ops->write_buf;
         ops->write_buf = direct_write_buf;
     }
+}
+
+void kvfs_set_direct_align(unsigned int a) {
+    align = a;
 }

@@ -1,8 +1,8 @@
 /* Opens of resident files answered by the front thread, without the trio thread. An OPEN for
    reading (no O_TRUNC, no O_DIRECT) of a file in the fast-open table (inodes whose every
    chunk is in DRAM and checked, with their backing id, kept by kvfs.fs) is answered there at
-   once, in passthrough mode, with a handle of its own (from KVFS_FAST_FH up), and a notice
-   of it is queued for Python.
+   once, in passthrough mode, with a handle from the first one kvfs.fs leaves to the front
+   thread (set_rules), and a notice of it is queued for Python.
 
    Protocol (under kvfs_front_lock, which guards the table and the parked opens):
    - the front thread looks an inode up and queues the notice under the lock, and only then
@@ -20,7 +20,9 @@
      that the prefetch is over (it may be busy with other work for milliseconds).
      kvfs_hot_revoke of a pending file queues its parked opens for Python as the requests
      they were. A ticket names one entry: a ready from a prefetch whose entry was revoked
-     changes nothing. */
+     changes nothing.
+   The table holds at most the limit kvfs.fs sets (hot_limit, before the mount), in at
+   least twice as many slots; there is none before. */
 #include "kvfs_shim.h"
 
 #include <errno.h>
@@ -28,40 +30,42 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KVFS_FAST_FH (1ULL << 48)  /* handles given out here start above this */
-#define HOT_SLOTS 32768              /* at most half of them used */
 #define PARKED_MAX 256  /* more opens of pending files go to Python */
 #define READY_BATCH 32
 
-static uint64_t hot_ino[HOT_SLOTS];  /* 0: empty slot (linear probing) */
-static int32_t hot_id[HOT_SLOTS];
-static uint64_t hot_ticket[HOT_SLOTS];  /* 0: ready; else pending, this one */
+static uint64_t *hot_ino = NULL;     /* 0: empty slot (linear probing) */
+static int32_t *hot_id = NULL;
+static uint64_t *hot_ticket = NULL;  /* 0: ready; else pending, this one */
+static size_t hot_slots = 0;         /* a power of two; 0: no table (nor entries) yet */
+static int hot_shift = 64;           /* 64 - log2(hot_slots): a hash's top bits index it */
 static int hot_n = 0;
-static int hot_limit = HOT_SLOTS / 2;
+static int hot_limit = 0;
 static uint64_t next_ticket = 1;
-static uint64_t next_fh = KVFS_FAST_FH;
+static uint64_t next_fh = 0;         /* 0 (until set_rules): no open is answered here */
 static struct kvfs_msg *parked = NULL;  /* opens of pending files, oldest first */
 static int nparked = 0;
 static unsigned long long parked_total = 0;
 static PyObject *opened_fn = NULL;
 
 static size_t hot_home(uint64_t ino) {
-    return (size_t)((ino * 0x9E3779B97F4A7C15ULL) >> 49) & (HOT_SLOTS - 1);
+    return (size_t)((ino * 0x9E3779B97F4A7C15ULL) >> hot_shift);
 }
 
-static size_t hot_find(uint64_t ino) {  /* with the lock */
+static size_t hot_find(uint64_t ino) {  /* with the lock and a table */
     size_t i = hot_home(ino);
     while (hot_ino[i] != 0 && hot_ino[i] != ino)
-        i = (i + 1) & (HOT_SLOTS - 1);
+        i = (i + 1) & (hot_slots - 1);
     return i;
 }
 
 static void hot_delete(uint64_t ino) {  /* with the lock; backward-shift deletion */
+    if (hot_n == 0)
+        return;
     size_t i = hot_find(ino), j = i;
     if (hot_ino[i] == 0)
         return;
     for (;;) {
-        j = (j + 1) & (HOT_SLOTS - 1);
+        j = (j + 1) & (hot_slots - 1);
         if (hot_ino[j] == 0)
             break;
         size_t k = hot_home(hot_ino[j]);
@@ -76,6 +80,40 @@ static void hot_delete(uint64_t ino) {  /* with the lock; backward-shift deletio
     }
     hot_ino[i] = 0;
     hot_n--;
+}
+
+/* With the lock: the table in *slots* slots (a power of two), its entries moved over.
+   -ENOMEM: it is as it was. */
+static int hot_resize(size_t slots) {
+    uint64_t *ino = (uint64_t *)calloc(slots, sizeof *ino);
+    int32_t *id = (int32_t *)calloc(slots, sizeof *id);
+    uint64_t *ticket = (uint64_t *)calloc(slots, sizeof *ticket);
+    if (ino == NULL || id == NULL || ticket == NULL) {
+        free(ino);
+        free(id);
+        free(ticket);
+        return -ENOMEM;
+    }
+    uint64_t *old_ino = hot_ino, *old_ticket = hot_ticket;
+    int32_t *old_id = hot_id;
+    size_t old_slots = hot_slots;
+    hot_ino = ino;
+    hot_id = id;
+    hot_ticket = ticket;
+    hot_slots = slots;
+    hot_shift = 64 - __builtin_ctzll(slots);
+    for (size_t s = 0; s < old_slots; s++) {
+        if (old_ino[s] == 0)
+            continue;
+        size_t i = hot_find(old_ino[s]);
+        hot_ino[i] = old_ino[s];
+        hot_id[i] = old_id[s];
+        hot_ticket[i] = old_ticket[s];
+    }
+    free(old_ino);
+    free(old_id);
+    free(old_ticket);
+    return 0;
 }
 
 /* With the lock: *m* (ino, flags, pid set) becomes the notice of an open answered here with
@@ -138,8 +176,8 @@ int kvfs_fast_open(const char *mem, size_t n) {
     if (m == NULL)
         return 0;
     pthread_mutex_lock(&kvfs_front_lock);
-    size_t i = hot_find(h->nodeid);
-    if (hot_ino[i] == 0
+    size_t i = hot_n != 0 ? hot_find(h->nodeid) : 0;
+    if (hot_n == 0 || hot_ino[i] == 0
             || (hot_ticket[i] != 0 && (nparked >= PARKED_MAX || n > KVFS_RAW_MAX))) {
         pthread_mutex_unlock(&kvfs_front_lock);
         free(m);
@@ -205,13 +243,15 @@ static uint64_t hot_insert(uint64_t ino, int32_t id, int pending) {
     if (ino == 0 || !kvfs_front_on)
         return 0;
     pthread_mutex_lock(&kvfs_front_lock);
-    size_t i = hot_find(ino);
-    if (hot_ino[i] == 0 && hot_n < hot_limit) {
-        hot_ino[i] = ino;
-        hot_id[i] = id;
-        hot_ticket[i] = pending ? next_ticket++ : 0;
-        hot_n++;
-        added = pending ? hot_ticket[i] : 1;
+    if (next_fh != 0 && hot_n < hot_limit) {
+        size_t i = hot_find(ino);
+        if (hot_ino[i] == 0) {
+            hot_ino[i] = ino;
+            hot_id[i] = id;
+            hot_ticket[i] = pending ? next_ticket++ : 0;
+            hot_n++;
+            added = pending ? hot_ticket[i] : 1;
+        }
     }
     pthread_mutex_unlock(&kvfs_front_lock);
     return added;
@@ -232,18 +272,20 @@ int kvfs_hot_ready(uint64_t ino, uint64_t ticket) {
     int ready = 0;
     int32_t id = 0;
     pthread_mutex_lock(&kvfs_front_lock);
-    size_t i = hot_find(ino);
-    if (ticket != 0 && hot_ino[i] == ino && hot_ticket[i] == ticket) {
-        hot_ticket[i] = 0;
-        id = hot_id[i];
-        ready = 1;
+    if (ticket != 0 && hot_n != 0) {
+        size_t i = hot_find(ino);
+        if (hot_ino[i] == ino && hot_ticket[i] == ticket) {
+            hot_ticket[i] = 0;
+            id = hot_id[i];
+            ready = 1;
+        }
     }
     pthread_mutex_unlock(&kvfs_front_lock);
     while (ready) {
         uint64_t unique[READY_BATCH], fh[READY_BATCH];
         int n = 0;
         pthread_mutex_lock(&kvfs_front_lock);
-        i = hot_find(ino);
+        size_t i = hot_find(ino);
         if (hot_ino[i] != ino || hot_ticket[i] != 0 || hot_id[i] != id) {
             pthread_mutex_unlock(&kvfs_front_lock);  /* revoked: it took the rest */
             break;
@@ -264,12 +306,26 @@ int kvfs_hot_ready(uint64_t ino, uint64_t ticket) {
     return ready;
 }
 
+/* At most *n* files (at least 1) in the table, which grows to hold them; returns the limit
+   set, or -ENOMEM (then it is unchanged). */
 int kvfs_set_hot_limit(int n) {
+    if (n < 1)
+        n = 1;
+    size_t slots = 2;
+    while (slots < 2 * (size_t)n)
+        slots <<= 1;
     pthread_mutex_lock(&kvfs_front_lock);
-    hot_limit = n < 1 ? 1 : n > HOT_SLOTS / 2 ? HOT_SLOTS / 2 : n;
-    n = hot_limit;
+    int r = slots > hot_slots ? hot_resize(slots) : 0;
+    if (r == 0)
+        hot_limit = n;
     pthread_mutex_unlock(&kvfs_front_lock);
-    return n;
+    return r == 0 ? n : r;
+}
+
+void kvfs_set_first_fast_fh(uint64_t fh) {
+    pthread_mutex_lock(&kvfs_front_lock);
+    next_fh = fh;
+    pthread_mutex_unlock(&kvfs_front_lock);
 }
 
 /* Opens of pending files parked since the module was loaded. */

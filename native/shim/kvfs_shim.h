@@ -21,7 +21,10 @@
    The kernel's ABI: fuse_abi.h.
 
    Each file keeps its state to itself (static); what several files share is declared here,
-   with who writes it and under which lock. */
+   with who writes it and under which lock. Every rule kvfs.fs applies too (O_DIRECT
+   alignment, the file capabilities' name, the handles the front thread gives out, the
+   reasons to clear set-id bits, the fast-open table's size) is Python's, handed over before
+   the mount (set_rules, set_kill_handler, hot_limit); none is defined in C. */
 #ifndef KVFS_SHIM_H
 #define KVFS_SHIM_H
 
@@ -45,15 +48,18 @@ int kvfs_shim_active(void);                                           /* interpo
 void kvfs_set_fallocate_handler(PyObject *fn);                        /* fallocate.c */
 void kvfs_fallocate_reply(unsigned long long req, int err);
 void kvfs_set_write_handlers(PyObject *plan, PyObject *done);         /* write.c */
-void kvfs_set_no_caps(int none);                                      /* caps.c */
-void kvfs_set_kill_handler(PyObject *fn);                             /* setid.c */
+void kvfs_set_direct_align(unsigned int align);                       /* direct.c */
+int kvfs_set_caps_name(const char *name, size_t len);                 /* caps.c */
+void kvfs_set_no_caps(int none);
+void kvfs_set_kill_handler(PyObject *fn, int write, int truncate, int chown);  /* setid.c */
 void kvfs_want_passthrough(int on);                                   /* passthrough.c */
 int kvfs_backing_open(int fd);
 int kvfs_backing_close(int id);
 void kvfs_pt_mark(uint64_t fh, int32_t id, int direct);
 void kvfs_want_front_thread(int on);                                  /* front.c */
 int kvfs_front_running(void);
-int kvfs_set_hot_limit(int n);                                        /* hot.c */
+void kvfs_set_first_fast_fh(uint64_t fh);                             /* hot.c */
+int kvfs_set_hot_limit(int n);
 int kvfs_hot_add(uint64_t ino, int32_t id);
 uint64_t kvfs_hot_pending(uint64_t ino, int32_t id);
 int kvfs_hot_ready(uint64_t ino, uint64_t ticket);

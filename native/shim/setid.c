@@ -16,8 +16,9 @@
 
 typedef void (*init_t)(void *, struct fuse_conn_info *);
 
-enum { KILL_WRITE, KILL_TRUNCATE, KILL_CHOWN };  /* = kvfs.fs.Kill */
+enum { KILL_WRITE, KILL_TRUNCATE, KILL_CHOWN };
 static PyObject *kill_fn = NULL;
+static int kill_why[3];  /* what the handler is told for each (kvfs.fs.Kill) */
 static init_t pyfuse3_init = NULL;
 
 static void setid_init(void *userdata, struct fuse_conn_info *conn) {
@@ -66,9 +67,13 @@ void kvfs_setid_check(const struct fuse_buf *buf) {
         return;
     }
     kvfs_call(kill_fn, "(KIIIi)", (unsigned long long)h->nodeid, (unsigned int)h->uid,
-              (unsigned int)h->gid, (unsigned int)h->pid, why);
+              (unsigned int)h->gid, (unsigned int)h->pid, kill_why[why]);
 }
 
-void kvfs_set_kill_handler(PyObject *fn) {
+/* *write*, *truncate*, *chown*: what the handler is told for each reason (Python's). */
+void kvfs_set_kill_handler(PyObject *fn, int write, int truncate, int chown) {
+    kill_why[KILL_WRITE] = write;
+    kill_why[KILL_TRUNCATE] = truncate;
+    kill_why[KILL_CHOWN] = chown;
     kvfs_set_callback(&kill_fn, fn);
 }
