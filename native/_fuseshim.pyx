@@ -12,7 +12,7 @@ native/shim/, one file per concern (native/shim/kvfs_shim.h lists them):
   synchronously on the FUSE thread) and hands the table to libfuse's own `fuse_session_new`.
 - pyfuse3's `write_buf` handler is wrapped (write.c): a write whose chunks all get fresh
   content (an engine writing a block) is copied by libfuse straight from the request into
-  the DRAM arena file, instead of into a bytes object that kvfs then copies again
+  the file's DRAM file, instead of into a bytes object that kvfs then copies again
   (kvfs.fs.Operations.write_plan / write_done). Every other write goes to pyfuse3's handler
   unchanged.
 - `fuse_session_process_buf` (setid.c): the flags by which the kernel asks the server to
