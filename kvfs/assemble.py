@@ -72,14 +72,11 @@ class Assembly:
         self.control = Control(self.ns, self.store, s, self.readahead, extra)
         self.ops = Operations(self.ns, self.store, self.control, self.readahead,
                               cache_mode=s.cache_mode, crash=CrashPoints(s.crash_at))
-        self.store.revoke = self.ops.revoke
-        self.store.staged = self.ops.staged
-        self.store.stage_watch = self.ops.stage_watch
+        self.store.revoke = self.ops.pt.revoke
+        self.store.staged = self.ops.pt.staged
+        self.store.stage_watch = self.ops.pt.stage_watch
         # opens answered by the shim's front thread, without waiting for the trio thread
-        extra.append(lambda: {"passthrough": {"fast_opens": self.ops.fast_opens,
-                                              "fast_open_files": len(self.ops.hot),
-                                              "fast_open_staged": self.ops.fast_open_staged,
-                                              "fast_open_parked": self._parked_opens()}})
+        extra.append(self.ops.pt.stats)
         if s.cache_mode:
             self.evictor = FileEvictor(self.ops.remove_file, self.store.file_bytes)
             self.ops.evictor = self.evictor
@@ -122,10 +119,6 @@ class Assembly:
         extra.append(self.collector.stats)
         self.left_in_dram = 0  # bytes the unmount could not write back (`run`)
 
-    def _parked_opens(self) -> int:
-        """Opens that waited in the front thread for their file's staging (see kvfs.fs)."""
-        return self.ops.front.parked_opens() if self.ops.front is not None else 0
-
     def _size_of(self, ino: int) -> int | None:
         inode = self.ns.inodes.get(ino)
         return inode.size if inode is not None and inode.is_reg else None
@@ -147,11 +140,11 @@ class Assembly:
             nursery.start_soon(self.store.run_disposals)
             nursery.start_soon(self._signals)
             nursery.start_soon(self.collector.run)
-            nursery.start_soon(self.ops.run_takes)
-            nursery.start_soon(self.ops.watch_mapped)
+            nursery.start_soon(self.ops.pt.run_takes)
+            nursery.start_soon(self.ops.pt.watch_mapped)
             # Enough request tasks that a slow NVMe read never holds up a DRAM hit.
             await pyfuse3.main(min_tasks=8, max_tasks=64)
-            await self.ops.finish_mapped()  # (and every other take)
+            await self.ops.pt.finish_mapped()  # (and every other take)
             log.info("unmounting: writing dirty chunks back to NVMe")
             self.left_in_dram = await self.store.writeback_all()
             self.readahead.save()

@@ -253,12 +253,12 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         shim.set_write_handlers(asm.ops.write_plan, asm.ops.write_done)
         shim.want_passthrough(s.passthrough)
         shim.want_front_thread(s.passthrough and (s.fast_open or s.front_reads))
-        shim.set_opened_handler(asm.ops.fast_opened)
+        shim.set_opened_handler(asm.ops.pt.fast_opened)
         shim.set_kill_handler(asm.ops.kill_suidgid, write=fs.Kill.WRITE,
                               truncate=fs.Kill.TRUNCATE, chown=fs.Kill.CHOWN)
-        asm.ops.hot_capacity = shim.hot_limit(s.fast_open_files)
+        hot_capacity = shim.hot_limit(s.fast_open_files)
         if s.passthrough:
-            asm.ops.shim = shim
+            asm.ops.pt.use(shim, hot_capacity)
         shim.set_no_capabilities(not asm.ns.security_xattrs)
         asm.ns.on_security_xattr = lambda: shim.set_no_capabilities(False)
     options = set(pyfuse3.default_options)
@@ -275,10 +275,11 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         _tell(ready_fd, f"error: mounting {s.mountpoint} failed: {exc}")
         os.close(lock)
         return 1
-    asm.ops.mount_dev = _fuse_mount_dev(real_mountpoint)
-    if shim is not None and shim.front_thread():
-        if s.fast_open and s.dram_verify != "open":
-            asm.ops.front = shim  # (dram_verify=open: every open checks the file again)
+    front = shim is not None and shim.front_thread()
+    # (dram_verify=open: every open checks the file again, none is answered by the front)
+    asm.ops.pt.serve_opens(shim if front and s.fast_open and s.dram_verify != "open" else None,
+                           _fuse_mount_dev(real_mountpoint))
+    if front:
         if s.front_reads:
             shim.set_read_handler(asm.ops.front_read, asm.store.cs)
             asm.store.ahead_server = shim

@@ -10,29 +10,12 @@ Attributes of `Operations`:
     control   Control: answers the `user.kvfs.*` virtual xattrs used by kvfsctl
     handles   open file handles (fh -> Handle)
     dirs      open directory handles (fh -> snapshot of entries)
-    shim      kvfs._fuseshim when FUSE passthrough may be used (set by the daemon), else None
-    backing   inodes in passthrough mode (ino -> [backing id, opens carrying it])
-    writers   inodes the kernel writes straight into their DRAM file (ino -> writer handles)
-    stream_policy  which new files may be written so (tiering.StreamingPolicy)
+    pt        Passthrough: files the kernel reads or writes straight from DRAM, fast opens
     requests  FUSE requests answered by a handler so far (kvfs.collector waits for a pause)
 
-FUSE passthrough (Linux 6.9+): an open for reading of a file whose chunks are all in DRAM
-(and check out) is answered with the backing id of its DRAM file, and the kernel serves its
-reads (and mmap) from tmpfs without asking the daemon. The kernel allows one backing file per
-inode while any such open lives, and refuses (EIO) an open of that inode without it; so while
-an inode is in passthrough mode every open of it carries its backing id, and the ones that
-must not bypass the daemon (writers, O_DIRECT, a file that does not check out) also carry
-direct_io, which sends their reads and writes here as before. The store keeps the DRAM copies
-of such a file where they are (`pin_passthrough`) until its last passthrough open is released.
-
-Writers too: a file created (or truncated to nothing by O_TRUNC) by an open for writing, with
-nothing else open and room to spare, is written by the kernel straight into its DRAM file
-(`ChunkStore.start_stream`). kvfs sees none of those writes; until the last writer closes,
-every open of the file reads and writes the DRAM file too (O_DIRECT ones included, so their
-alignment is not checked), its size is the DRAM file's, and an fsync takes what is there as
-the file's chunks and makes them durable. After the last writer's close the store takes
-the DRAM file's contents as the file (`take_stream`), as soon as no request waits
-(`run_takes`); until then the file is still one the kernel writes.
+Opens in passthrough mode (the kernel reads or writes a file straight from its DRAM file)
+and the opens the shim's front thread answers are `kvfs.passthrough.Passthrough`'s (`pt`);
+this module owns the handles, and is its host.
 """
 
 from __future__ import annotations
@@ -46,19 +29,15 @@ import logging
 import os
 import stat
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pyfuse3
-import trio
-import trio.testing
 
-from kvfs.config import FAST_OPEN_FILES_MAX
 from kvfs.faults import CrashPoints
 from kvfs.namespace import NAME_MAX, Inode, Namespace, NamespaceError
+from kvfs.passthrough import Passthrough
 from kvfs.store.chunkstore import ChunkError, ChunkStore, NoSpace
-from kvfs.tiering import StreamingPolicy
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +58,6 @@ FILE_CAPS = b"security.capability"
 XATTR_NAMESPACES = (b"user.", b"trusted.", b"security.")
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
-# A file the kernel wrote is taken (hashed, recorded) after its last close, when no request
-# is waiting (see Operations.run_takes); at most TAKE_BACKLOG files wait, none over TAKE_WAIT_S.
-TAKE_BACKLOG = 4
-TAKE_WAIT_S = 0.02
-# How often a file whose DRAM file a shared mapping still writes after its last close is
-# taken again (`Operations.watch_mapped`).
-MAPPED_CHECK_S = 5.0
-# Files of at most this many chunks go to the front thread's table (a staged chunk checks
-# its whole file; bigger files are read through the daemon anyway).
-FAST_OPEN_MAX_CHUNKS = 16
 # Handles of opens the front thread answers start here; those `_open` gives out count up
 # from 1, far below.
 FAST_OPEN_FIRST_FH = 1 << 48
@@ -113,26 +82,6 @@ def _groups_of(pid: int) -> frozenset[int]:
     except (OSError, ValueError):
         pass
     return frozenset()
-
-
-@dataclass
-class _PendingOpen:
-    """The StageWatch of a file entered pending in the front thread's table."""
-    ops: Operations
-    front: object  # the shim module (`ops.front` may be cleared meanwhile)
-    ino: int
-    ticket: int
-
-    def ready(self) -> None:
-        if self.front.hot_ready(self.ino, self.ticket):  # False: revoked meanwhile
-            self.ops.fast_open_staged += 1
-
-    def done(self, installed: bool) -> None:
-        if self.ops.pending_hot.get(self.ino) != self.ticket:
-            return  # revoked meanwhile
-        del self.ops.pending_hot[self.ino]
-        if not installed:
-            self.ops.revoke(self.ino)
 
 
 @dataclass
@@ -197,57 +146,16 @@ class Operations(pyfuse3.Operations):
         self.requests = 0
         self.dirs: dict[int, list[tuple[bytes, int]]] = {}
         self._fh = itertools.count(1)
-        self.shim = None
-        self.backing: dict[int, list[int]] = {}
-        self.writers: dict[int, int] = {}
-        # Of those, adopted files with no writer left whose DRAM file a shared mapping may
-        # still write (`_end_writing`, `watch_mapped`).
-        self.mapped: set[int] = set()
-        self.mount_dev: int | None = None  # the mount's st_dev (set by the daemon)
-        self._finishing: dict[int, trio.Event] = {}
+        self.pt = Passthrough(ns, store, readahead, host=self)
         self._opening: dict[int, int] = {}  # ino -> opens under way (_opening_file)
         # Unlinked files whose data is freed but which the kernel still knows (see _open).
         self._data_freed: set[int] = set()
-        self._pending_takes: dict[int, None] = {}
-        self._take_wakeup = trio.Event()
-        self.stream_policy = StreamingPolicy()
-        # Files whose read-only opens the shim's front thread answers (see "Opens answered
-        # by the front thread"); *front* is the shim when the daemon runs that thread.
-        self.front = None
-        # The files in that table, the one opened least recently first: when the table is
-        # full, it makes room for a file just found ready.
-        self.hot: OrderedDict[int, None] = OrderedDict()
-        self.hot_capacity = FAST_OPEN_FILES_MAX
-        # Those entered pending while a prefetch stages them (`stage_watch`) -> ticket.
-        self.pending_hot: dict[int, int] = {}
-        self.fast_open_staged = 0  # pending entries made ready by their prefetch
-        self.fast_opens = 0
         # Starts a task in the daemon's nursery (set by the assembly while it runs), and
         # answers a fallocate request later (the shim's, set by the daemon).
         self.spawn: Callable | None = None
         self.reply_fallocate: Callable[[int, int], None] | None = None
 
     # -- helpers ---------------------------------------------------------------------------
-    def _parent(self, ino: int) -> int | None:
-        """The directory holding *ino* (its first name), or None if it has none."""
-        names = self.ns.names_of(ino)
-        return min(names)[0] if names else None
-
-    def _size(self, inode: Inode) -> int:
-        """*inode*'s size now: its DRAM file's while the kernel writes it without us. Its
-        recorded size (`inode.size`, what lmdb has) is that of its last take: saved with
-        anything else, a size its chunks do not reach yet would read as zeros after a
-        crash that loses DRAM."""
-        if inode.ino in self.writers:
-            return self.store.stream_size(inode.ino)
-        return inode.size
-
-    async def _recorded(self, node: Inode) -> None:
-        """Take what the kernel wrote so far into *node*, if it writes it: a change of its
-        size must start from its bytes recorded, as an fsync records them."""
-        if node.ino in self.writers and node.ino not in self._finishing:
-            await self.store.take_stream(node.ino, done=False, on_commit=self._sized(node))
-
     def _attr(self, inode: Inode) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
         a.st_ino = inode.ino
@@ -259,12 +167,9 @@ class Operations(pyfuse3.Operations):
         a.st_uid = inode.uid
         a.st_gid = inode.gid
         a.st_rdev = inode.rdev
-        a.st_size = self._size(inode)
+        a.st_size = self.pt.size(inode)
         a.st_blksize = BLOCK_SIZE
-        held = self.store.blocks_bytes(inode.ino)
-        if inode.ino in self.writers:  # what the kernel wrote may not be counted yet
-            held = max(held, self.store.stream_blocks(inode.ino))
-        a.st_blocks = (held + 511) // 512
+        a.st_blocks = (self.pt.blocks(inode, self.store.blocks_bytes(inode.ino)) + 511) // 512
         a.st_atime_ns = inode.atime_ns
         a.st_mtime_ns = inode.mtime_ns
         a.st_ctime_ns = inode.ctime_ns
@@ -278,16 +183,13 @@ class Operations(pyfuse3.Operations):
         """Release an inode's data once nothing names or holds it, and the inode itself once
         the kernel has forgotten it too."""
         if inode.nlink == 0:
-            self.revoke(inode.ino)  # opens the front thread answered count as opens
-        if (inode.nlink > 0 or inode.opens > 0 or inode.ino in self._pending_takes
-                or inode.ino in self._finishing  # the take's end frees it (_take_now)
+            self.pt.revoke(inode.ino)  # opens the front thread answered count as opens
+        if (inode.nlink > 0 or inode.opens > 0
+                or self.pt.busy(inode.ino)  # the take's end frees it
                 or inode.ino in self._opening):  # so does the open's (_opening_file)
             return
         if inode.is_reg:
-            if inode.ino in self.mapped:  # a mapping may outlive the file: nothing to take
-                self.mapped.discard(inode.ino)
-                del self.writers[inode.ino]
-                self.store.end_stream(inode.ino)
+            self.pt.freed(inode.ino)
             self.readahead.forgotten(inode.ino)
             self.store.delete_file(inode.ino, inode.size)
             if inode.size:
@@ -336,19 +238,19 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def setattr(self, inode, attr, fields, fh, ctx):
-        await self._taken(inode)
+        await self.pt.taken(inode)
         node = self.ns.get(inode)
         if not (fields.update_size or fields.update_mode or fields.update_uid
                 or fields.update_gid or fields.update_atime or fields.update_mtime
                 or fields.update_ctime):
             self._remove_privs(node, ctx)
         if fields.update_size:
-            self.revoke(inode)
+            self.pt.revoke(inode)
             if not node.is_reg:
                 raise pyfuse3.FUSEError(errno.EISDIR if node.is_dir else errno.EINVAL)
             if attr.st_size > MAX_FILE_SIZE:
                 raise pyfuse3.FUSEError(errno.EFBIG)
-            await self._recorded(node)
+            await self.pt.recorded(node)
 
         def apply() -> None:
             """Every attribute asked for, saved in one commit (a truncation's own)."""
@@ -487,7 +389,7 @@ class Operations(pyfuse3.Operations):
                                            streams=mode is not None and mode[2],
                                            via_daemon=mode is None or mode[1]))
         if mode is not None:
-            self.shim.mark_passthrough(fh, mode[0], mode[1])
+            self.pt.mark(fh, mode)
         # direct_io: every read and write reaches kvfs in requests of up to 1 MiB (twice the
         # throughput of page-cache-sized 128 KiB requests), and the page cache never holds a
         # stale copy. mmap(MAP_PRIVATE) still works through the page cache. (A passthrough
@@ -500,250 +402,22 @@ class Operations(pyfuse3.Operations):
         if self.evictor is not None:
             self.evictor.touch(inode.ino)
 
-    async def _passthrough_mode(self, node: Inode, flags: int) -> tuple[int, bool, bool] | None:
-        """(backing id, direct_io, streams) for a new open of *node*, or None for an ordinary
-        open. The open is then counted as one carrying the id (and, if *streams*, as one of
-        the file's writers); no await may come between this and `_open_handle`."""
-        if self.shim is None or not node.is_reg:
-            return None
-        ino = node.ino
-        writer = flags & os.O_ACCMODE != os.O_RDONLY
-        if ino in self.writers:  # everything goes to the DRAM file while the kernel writes it
-            return self._join_writing(node, writer)
-        if (expected := self._stream_size(node, flags, self._parent(ino))) is not None:
-            return self._start_writing(ino, expected)
-        if writer:
-            # An open carrying the backing id can be mmap()ed shared and writable, and such a
-            # mapping writes the DRAM file itself, behind kvfs's back. The front thread's
-            # entry holds the id: without it (and no reader holding it) the open is an
-            # ordinary one, whose shared mappings are refused (ENODEV). While readers hold
-            # it, this open must carry it too: the file becomes one the kernel writes.
-            self.revoke(ino)
-            if ino in self.backing and (adopted := self._adopt_writer(node, flags)) is not None:
-                return adopted
-        reader = not writer and not flags & os.O_DIRECT
-        # a reader of a file on NVMe: bring it into DRAM first, the kernel reads it from there
-        staged = await self.store.stage_file(ino, node.size) if reader else -1
-        ready = staged >= 0 and await self.store.passthrough_ready(ino, node.size)
-        b = self.backing.get(ino)  # looked up after the awaits: it may have changed
-        if b is None:
-            if not ready:
-                return None
-            backing_id = self._backing_open(self.store.pin_passthrough(ino, node.size,
-                                                                       from_nvme=staged))
-            if backing_id is None:
-                self.store.unpin_passthrough(ino)
-                return None
-            b = self.backing[ino] = [backing_id, 0]
-        else:
-            self.store.pin_passthrough(ino, node.size, reads=ready, from_nvme=max(staged, 0))
-        b[1] += 1
-        return b[0], not ready, False
+    # -- what kvfs.passthrough asks of its host (passthrough.Host) ------------------------
+    def add_opened(self, fh: int, node: Inode, flags: int, pid: int) -> None:
+        self._add_handle(fh, node, Handle(node.ino, flags, pid, backed=True))
 
-    def _stream_size(self, node: Inode, flags: int, parent: int | None) -> int | None:
-        """Should the kernel write this open's bytes straight into the DRAM file? Only for a
-        write-only open (O_RDWR files are worked on, and must stay movable while open; not
-        O_DIRECT) of a file with nothing in it and nothing else open, in a directory whose
-        files have been small enough to fit (tiering.StreamingPolicy). Returns the size the
-        file is expected to reach if so, else None."""
-        if (self.shim is None or flags & os.O_ACCMODE != os.O_WRONLY or flags & os.O_DIRECT
-                or node.size or node.opens or node.ino in self.backing or parent is None):
-            return None
-        expected = self.stream_policy.expected(parent)
-        return expected if expected is not None and self.store.can_stream(expected) else None
+    def drop_handle(self, fh: int) -> None:
+        h = self.handles.pop(fh, None)
+        if h is not None and (node := self._closed(h)) is not None:
+            self._maybe_free(node)
 
-    def _start_writing(self, ino: int, expected: int) -> tuple[int, bool, bool] | None:
-        """The first writer of a file the kernel writes straight into its DRAM file."""
-        backing_id = self._backing_open(self.store.start_stream(ino, expected))
-        if backing_id is None:
-            self.store.end_stream(ino)
-            return None
-        self.store.pin_passthrough(ino, 0, reads=False)
-        self.backing[ino] = [backing_id, 1]
-        self.writers[ino] = 1
-        return backing_id, False, True
+    def via_daemon(self, ino: int) -> bool:
+        return any(h.via_daemon for h in self.handles.values() if h.ino == ino)
 
-    def _adopt_writer(self, node: Inode, flags: int) -> tuple[int, bool, bool] | None:
-        """A writable open of a file in passthrough mode: the kernel writes the file's DRAM
-        file from now on, as for a new file (`_start_writing`), and kvfs takes its bytes at
-        the last writer's close. Not for O_DIRECT opens (their alignment rule), nor while an
-        open of the file reads or writes through kvfs, whose checks would meet bytes the
-        kernel changed: such an open carries the id with direct_io (docs/DESIGN.md)."""
-        ino = node.ino
-        if flags & os.O_DIRECT or any(h.via_daemon for h in self.handles.values()
-                                      if h.ino == ino):
-            return None
-        if self.store.stream_size(ino) != node.size:  # the file's size becomes its DRAM file's
-            return None
-        if not self.store.adopt_stream(ino):
-            return None
-        self.writers[ino] = 0
-        return self._join_writing(node, writer=True)
+    def maybe_free(self, node: Inode) -> None:
+        self._maybe_free(node)
 
-    def _join_writing(self, node: Inode, writer: bool) -> tuple[int, bool, bool] | None:
-        """One more open of a file the kernel writes: its DRAM file, in plain passthrough
-        (a *writer* is counted as one of the file's writers)."""
-        ino = node.ino
-        fd = self.store.pin_passthrough(ino, node.size, reads=False)
-        b = self.backing.get(ino)
-        if b is None:  # a file kept for its mapping (`mapped`) may have no open left
-            backing_id = self._backing_open(fd)
-            if backing_id is None:
-                self.store.unpin_passthrough(ino)
-                return None
-            b = self.backing[ino] = [backing_id, 0]
-        b[1] += 1
-        if writer:
-            self.writers[ino] += 1
-        return b[0], False, writer
-
-    def _backing_open(self, fd: int) -> int | None:
-        """The backing id of a DRAM file, or None (and no more passthrough) if the kernel
-        will not have it."""
-        try:
-            return self.shim.backing_open(fd)
-        except OSError as exc:
-            log.warning("FUSE passthrough unavailable (%s): every read and write goes through "
-                        "the daemon", exc)
-            for ino in list(self.hot):
-                self.revoke(ino)
-            self.front = self.shim = None
-            return None
-
-    def _end_passthrough(self, h: Handle) -> None:
-        """A handle carrying its inode's backing id is released."""
-        self._unback(h.ino)
-        self.store.unpin_passthrough(h.ino)
-
-    def _unback(self, ino: int) -> None:
-        """One holder of *ino*'s backing id (a handle, or its fast-open entry) lets go."""
-        b = self.backing[ino]
-        b[1] -= 1
-        if b[1] == 0:
-            del self.backing[ino]
-            self._backing_close(ino, b[0])
-
-    def _backing_close(self, ino: int, backing_id: int) -> None:
-        try:
-            self.shim.backing_close(backing_id)
-        except (OSError, AttributeError) as exc:
-            log.error("closing passthrough backing %d of inode %d: %s", backing_id, ino, exc)
-
-    # -- opens answered by the front thread ------------------------------------------------
-    # With the shim's front thread (kvfs._fuseshim, "the front thread"), an OPEN for reading
-    # of a file in its table is answered there, in passthrough mode, without waiting for
-    # this thread, which may be busy for a millisecond with other work; `fast_opened` then
-    # does this side's part of that open when the notice comes, in request order. A file
-    # enters the table at a passthrough open that found it ready (every chunk in DRAM and
-    # checked), holding one reference to its backing id, and leaves it (`revoke`) before
-    # anything that would make a later passthrough open of it wrong: a write or truncation
-    # through the daemon, its DRAM copies dropped or repacked (the store calls `revoke`),
-    # its data freed. Revoking delivers the notices still queued, so that a file opened
-    # there counts as open (pinned) before such a change is decided.
-    # A file of one chunk that a prefetch stages also enters the table when the prefetch
-    # starts, pending (`stage_watch`): the front thread parks its opens, and the worker
-    # thread makes it ready (answering them) once the bytes are staged and checked. So an
-    # open that comes while the prefetch is in flight, or before this thread has seen it
-    # end (it may be milliseconds behind), waits for the staging only, not for this
-    # thread. The fetch cannot end any other way than with those bytes as the chunk's
-    # copy unless something revoked the file first (which hands parked opens to this
-    # thread): writes and truncations wait for it, and a freed file is revoked.
-    def _may_fast_open(self, node: Inode) -> bool:
-        """Is *node* a file the front thread may serve, once ready (and not in its table)?"""
-        ino = node.ino
-        return not (self.front is None or self.shim is None or ino in self.hot
-                    or not node.is_reg or node.nlink == 0 or ino in self.writers
-                    or ino in self._pending_takes
-                    or node.size > FAST_OPEN_MAX_CHUNKS * self.store.cs
-                    or self.store.reads_through(ino, node.size))
-
-    def _offer_fast_open(self, node: Inode, ready: bool = False) -> None:
-        """Let the front thread answer *node*'s opens for reading from now on, if it is a
-        file a passthrough open would find ready: *ready*, it was just found so (an open,
-        with no await since); else it is checked here (just taken, or staged)."""
-        if not self._may_fast_open(node):
-            return
-        fd = None
-        if not ready:
-            fd = self.store.passthrough_fd(node.ino, node.size)
-            if fd is None:
-                return
-        self._enter_hot(node.ino, fd, pending=False)
-
-    def _enter_hot(self, ino: int, fd: int | None, pending: bool) -> int:
-        """Put *ino* in the front thread's table, ready or *pending*, with the backing id
-        its handles hold, or one opened on its DRAM file *fd*. Returns 0 if it is not in,
-        else the pending entry's ticket (1 if ready)."""
-        b = self.backing.get(ino)
-        if b is None:
-            backing_id = self._backing_open(fd)
-            if backing_id is None:
-                return 0
-            b = self.backing[ino] = [backing_id, 0]
-        if len(self.hot) >= self.hot_capacity:
-            self.revoke(next(iter(self.hot)))
-        if pending:
-            entered = self.front.hot_pending(ino, b[0])
-        else:
-            entered = int(self.front.hot_add(ino, b[0]))
-        if entered:
-            self.hot[ino] = None
-            b[1] += 1
-        elif not b[1]:  # opened above for nothing
-            del self.backing[ino]
-            self._backing_close(ino, b[0])
-        return entered
-
-    def stage_watch(self, ino: int, c: int, fd: int) -> _PendingOpen | None:
-        """A prefetch is about to stage chunk *c* of *ino* in its DRAM file *fd* (the
-        store's hook): if that is the whole file, and one the front thread may serve, enter
-        it pending; the watch makes it ready."""
-        node = self.ns.inodes.get(ino)
-        if (c != 0 or node is None or not 0 < node.size <= self.store.cs
-                or not self._may_fast_open(node)):
-            return None
-        ticket = self._enter_hot(ino, fd, pending=True)
-        if not ticket:
-            return None
-        self.pending_hot[ino] = ticket
-        return _PendingOpen(self, self.front, ino, ticket)
-
-    def staged(self, ino: int) -> None:
-        """A prefetch staged a chunk of *ino* (the store's hook): offer the file once it is
-        wholly in DRAM."""
-        node = self.ns.inodes.get(ino)
-        if node is not None and ino not in self.hot:
-            self._offer_fast_open(node)
-
-    def revoke(self, ino: int) -> None:
-        """The front thread answers no more opens of *ino*; those it did are handles now."""
-        if ino in self.hot:
-            del self.hot[ino]
-            self.pending_hot.pop(ino, None)
-            self.front.hot_revoke(ino)  # calls fast_opened for each notice still queued
-            self._unback(ino)
-
-    def fast_opened(self, ino: int, fh: int, flags: int, pid: int, sent: bool) -> None:
-        """The front thread answered an OPEN of *ino* with *fh* (see above); *sent* False:
-        the reply did not reach the opener, so no RELEASE will come for *fh*."""
-        try:
-            if not sent:
-                h = self.handles.pop(fh, None)
-                if h is not None and (node := self._closed(h)) is not None:
-                    self._maybe_free(node)
-                return
-            node = self.ns.inodes[ino]
-            if ino in self.hot:
-                self.hot.move_to_end(ino)
-            self.readahead.opened(ino, flags, node.size, pid)
-            self.store.pin_passthrough(ino, node.size)
-            self.backing[ino][1] += 1
-            self._add_handle(fh, node, Handle(ino, flags, pid, backed=True))
-            self.readahead.read(ino, 0, node.size, pid)
-            self.fast_opens += 1
-        except Exception:
-            log.exception("an open of inode %d answered by the front thread", ino)
-
+    # -- the front thread (kvfs.passthrough has the opens it answers) -----------------------
     def front_read(self, ino: int, fh: int, off: int, size: int, pid: int, us: int) -> None:
         """The front thread answered a READ of *fh* from chunks the store read ahead
         (`ChunkStore.front_read`): the bookkeeping `read` does besides the copy."""
@@ -779,7 +453,7 @@ class Operations(pyfuse3.Operations):
                 self._maybe_free(node)  # the open failed, and nothing else names the file
 
     async def _open(self, inode, flags, ctx):
-        await self._taken(inode)
+        await self.pt.taken(inode)
         node = self.ns.get(inode)
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
@@ -787,11 +461,11 @@ class Operations(pyfuse3.Operations):
             # Unlinked, with no open, between the caller's lookup and this OPEN: its data is
             # gone. As if the unlink had come before the lookup, not an empty file.
             raise pyfuse3.FUSEError(errno.ENOENT)
-        if flags & os.O_TRUNC and self._size(node):
+        if flags & os.O_TRUNC and self.pt.size(node):
             # libfuse negotiates atomic O_TRUNC: the kernel leaves truncation to open().
-            self.revoke(inode)
-            await self._recorded(node)
-            sized = self._sized(node)
+            self.pt.revoke(inode)
+            await self.pt.recorded(node)
+            sized = self.pt.sized(node)
             await self.store.truncate(inode, node.size, 0, on_commit=lambda: sized(0, False))
             self.crash.reached("truncated")
         # Readahead hears of the open first: its predictions of what comes next start now,
@@ -799,24 +473,24 @@ class Operations(pyfuse3.Operations):
         self.readahead.opened(inode, flags, node.size, ctx.pid)
         if flags & os.O_ACCMODE != os.O_WRONLY and self.store.reads_through(inode, node.size):
             self.store.start_read_through(inode, node.size)  # its first chunks, from NVMe
-        mode = await self._passthrough_mode(node, flags)
+        mode = await self.pt.mode(node, flags)
         if mode is not None and not mode[1] and not mode[2]:
             # The kernel reads it without us: the whole file counts as read now.
             self.readahead.read_whole(inode, node.size, ctx.pid)
-            self._offer_fast_open(node, ready=True)
+            self.pt.offer(node, ready=True)
         return self._open_handle(node, flags, ctx.pid, mode)
 
     @_errors
     async def create(self, parent_inode, name, mode, flags, ctx):
         self.store.check_room()
         mode = stat.S_IFREG | (mode & ~ctx.umask & 0o7777)
-        if (expected := self._stream_size(Inode(0, mode), flags, parent_inode)) is not None:
+        if (expected := self.pt.stream_size(Inode(0, mode), flags, parent_inode)) is not None:
             with self.store.meta.write():  # one commit: the inode and its writer's record
                 node = self.ns.create(parent_inode, name, mode, ctx.uid, ctx.gid)
-                pt = self._start_writing(node.ino, expected)
+                pt = self.pt.start_writing(node.ino, expected)
         else:
             node = self.ns.create(parent_inode, name, mode, ctx.uid, ctx.gid)
-            pt = await self._passthrough_mode(node, flags)
+            pt = await self.pt.mode(node, flags)
         self.readahead.created(node.ino, parent_inode, ctx.pid)
         return self._open_handle(node, flags, ctx.pid, pt), self._entry(node)
 
@@ -851,7 +525,7 @@ class Operations(pyfuse3.Operations):
         end = off + len(buf)
         if end > MAX_FILE_SIZE:
             raise pyfuse3.FUSEError(errno.EFBIG)
-        self.revoke(h.ino)
+        self.pt.revoke(h.ino)
         grow_inode = self._grown(h.ino, off)
         written = await self._space_retry(
             lambda: self.store.write(h.ino, off, buf, grow_inode), len(buf))
@@ -883,7 +557,7 @@ class Operations(pyfuse3.Operations):
                 return errno.EINVAL
             if off + size > MAX_FILE_SIZE:
                 return errno.EFBIG
-            self.revoke(h.ino)
+            self.pt.revoke(h.ino)
             plan = self.store.plan_write(h.ino, off, size)
             if plan is None:
                 return None
@@ -916,148 +590,30 @@ class Operations(pyfuse3.Operations):
     async def release(self, fh):
         h = self.handles.pop(fh)
         node = self._closed(h)
-        if node is not None and node.nlink > 0 and h.ino not in self._pending_takes:
+        if node is not None and node.nlink > 0 and not self.pt.waits_take(h.ino):
             await self.store.seal(h.ino, node.size)  # (a take seals)
         if node is not None:
             self._maybe_free(node)
 
     def _closed(self, h: Handle) -> Inode | None:
         """The bookkeeping of a released handle; returns its inode if it still has one."""
-        if h.backed:
-            self._end_passthrough(h)
+        self.pt.released(h.ino, h.backed, h.streams)
         node = self.ns.inodes.get(h.ino)
-        if h.streams:
-            self.writers[h.ino] -= 1
-            if not self.writers[h.ino]:
-                self._pending_takes[h.ino] = None  # taken by run_takes
-                self._take_wakeup.set()
         if node is None:
             return None
         if h.flags & os.O_ACCMODE != os.O_RDONLY and node.nlink > 0:
-            parent = self._parent(h.ino)
-            if parent is not None:  # the size files written in that directory reach
-                self.stream_policy.closed(parent, self._size(node))
+            self.pt.closed_writable(node)  # the size files written in its directory reach
         node.opens -= 1
         if not node.opens:
             self.store.end_read_through(h.ino)
         self.readahead.closed(h.ino, h.pid)
         return node
 
-    def _sized(self, node: Inode) -> Callable[[int, bool], None]:
-        """The inode update of a take of what the kernel wrote, or of a truncation to
-        nothing: it is now *size* bytes (with *holes*, or none)."""
-        def sized(size: int, holes: bool) -> None:
-            node.resize(size, holes=holes)
-            node.mtime_ns = node.ctime_ns = time.time_ns()
-            self.ns.save(node)
-
-        return sized
-
-    async def _end_writing(self, ino: int, node: Inode | None, final: bool = False) -> None:
-        """The last writer of a file the kernel wrote into its DRAM file closed (and
-        `run_takes` got to it): the store takes its bytes. Opens of it meanwhile wait
-        (`_finishing`): the bytes must be still. An adopted file whose DRAM file is still
-        mapped shared and writable (the mapping outlives the close) stays one the kernel
-        writes, in `mapped`, taken again every MAPPED_CHECK_S until no mapping is left
-        (`watch_mapped`), or for good when *final* (unmount)."""
-        done = self._finishing[ino] = trio.Event()
-        keep = False
-        try:
-            if node is not None and node.nlink > 0:
-                keep = (not final and ino in self.store.adopted and await self.store
-                        .mapped_writable(ino, None if self.mount_dev is None
-                                         else (self.mount_dev, ino)))
-                await self.store.take_stream(ino, done=not keep, on_commit=self._sized(node))
-            else:
-                self.store.end_stream(ino)
-        finally:
-            if keep:
-                self.mapped.add(ino)  # its writers count stays, at 0
-            else:
-                self.mapped.discard(ino)
-                del self.writers[ino]
-            del self._finishing[ino]
-            done.set()
-
-    async def watch_mapped(self) -> None:
-        """Every MAPPED_CHECK_S, each file in `mapped` is taken again (`_end_writing`): what
-        its mapping wrote is recorded, and once no mapping is left the file is an ordinary
-        one again."""
-        while True:
-            await trio.sleep(MAPPED_CHECK_S)
-            for ino in list(self.mapped):
-                if ino in self.mapped and not self.writers.get(ino):  # a writer's close decides
-                    self._pending_takes[ino] = None
-                    self._take_wakeup.set()
-
-    async def finish_mapped(self) -> None:
-        """Unmount: files still mapped are taken for good (nothing records a mapping's
-        writes once the daemon is gone)."""
-        await self.finish_takes()
-        for ino in list(self.mapped):
-            await self._end_writing(ino, self.ns.inodes.get(ino), final=True)
-
-    async def run_takes(self) -> None:
-        """Take the files whose last writer closed, each when no FUSE request is waiting
-        (trio has nothing else to run and nothing to read: `wait_all_tasks_blocked`). An
-        engine writing block after block closes one and creates the next at once; taken in
-        its RELEASE, a file's take (a hash of its bytes and a commit) held up the next
-        file's requests, and taken now it overlaps the engine's write() of the next file,
-        which the kernel does without us. 256 KiB files: +5% files/s (interleaved runs)."""
-        while True:
-            await self._take_wakeup.wait()
-            self._take_wakeup = trio.Event()
-            while self._pending_takes:
-                if len(self._pending_takes) < TAKE_BACKLOG:
-                    with trio.move_on_after(TAKE_WAIT_S):
-                        await trio.testing.wait_all_tasks_blocked()
-                if self._pending_takes:
-                    await self._take_logged(next(iter(self._pending_takes)))
-
-    async def finish_takes(self) -> None:
-        """Take every file still waiting (unmount, kvfsctl queries)."""
-        while self._pending_takes:
-            await self._take_logged(next(iter(self._pending_takes)))
-
-    async def _take_logged(self, ino: int) -> None:
-        """`_take_now` outside any request: a failure is logged, never let out (it would
-        end the daemon); as when a take in a RELEASE failed, the file keeps what was
-        recorded before."""
-        try:
-            await self._take_now(ino)
-        except Exception:
-            log.exception("taking inode %d after its last close failed", ino)
-
-    async def _taken(self, ino: int) -> None:
-        """Until *ino* is no file the kernel's writer left to be taken: taken now if it
-        waits, or its take under way finished (an open or a truncation needs its bytes
-        still and recorded)."""
-        if ino in self._pending_takes:
-            await self._take_now(ino)
-        while (finishing := self._finishing.get(ino)) is not None:
-            await finishing.wait()
-
-    async def _take_now(self, ino: int) -> None:
-        """Take *ino* now if it waits to be (an open or a truncation of it needs it taken).
-        Until then it is still one the kernel writes: its size comes from its DRAM file
-        (`_size`) and it is not freed (`_maybe_free`)."""
-        if ino not in self._pending_takes:
-            return
-        del self._pending_takes[ino]
-        node = self.ns.inodes.get(ino)
-        try:
-            await self._end_writing(ino, node)
-        finally:
-            if node is not None:
-                self._maybe_free(node)
-        if node is not None:
-            self._offer_fast_open(node)  # taken: wholly in DRAM, every chunk checked
-
     @_errors
     async def fsync(self, fh, datasync):
         h = self.handles[fh]
         node = self.ns.get(h.ino)
-        await self._recorded(node)  # what the kernel wrote so far becomes the file's chunks
+        await self.pt.recorded(node)  # what the kernel wrote so far becomes the file's chunks
         await self.store.fsync(h.ino, node.size)
 
     # -- directories -----------------------------------------------------------------------
@@ -1120,7 +676,7 @@ class Operations(pyfuse3.Operations):
     @_errors
     async def getxattr(self, inode, name, ctx):
         if self.control.handles(name):
-            await self.finish_takes()  # `where` and `status` count closed files as taken
+            await self.pt.finish_takes()  # `where` and `status` count closed files as taken
             return self.control.get(inode, name[len(CONTROL_PREFIX):], ctx.uid)
         self.ns.get(inode)
         self._check_xattr_name(name)
@@ -1173,10 +729,10 @@ class Operations(pyfuse3.Operations):
                 return -1
             if length > self.store.capacity:
                 return errno.ENOSPC
-            self.revoke(ino)
+            self.pt.revoke(ino)
             self.store.allocate(ino, offset, length)
-            if not mode & FALLOC_FL_KEEP_SIZE and ino in self.writers:
-                self.store.resized(ino, max(end, self._size(node)))  # its DRAM file: taken later
+            if not mode & FALLOC_FL_KEEP_SIZE and ino in self.pt.writers:
+                self.store.resized(ino, max(end, self.pt.size(node)))  # its DRAM file: taken later
             elif not mode & FALLOC_FL_KEEP_SIZE and end > node.size:
                 self.store.resized(ino, end)
                 node.resize(end, holes=True)  # reserved, not written: reads give zeros
@@ -1201,22 +757,22 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def punch_hole(self, ino: int, offset: int, length: int) -> None:
-        await self._taken(ino)
+        await self.pt.taken(ino)
         node = self.ns.get(ino)
-        self.revoke(ino)
+        self.pt.revoke(ino)
 
         def punched() -> None:
             node.resize(node.size, holes=True)
             node.mtime_ns = node.ctime_ns = time.time_ns()
             self.ns.save(node)
 
-        await self.store.punch(ino, offset, length, self._size(node), on_commit=punched)
+        await self.store.punch(ino, offset, length, self.pt.size(node), on_commit=punched)
 
     # -- cache-mode eviction -----------------------------------------------------------------
     def remove_file(self, ino: int) -> bool:
         """Remove every name of a file (cache-mode eviction) and tell the kernel."""
         inode = self.ns.inodes.get(ino)
-        self.revoke(ino)
+        self.pt.revoke(ino)
         if inode is None or not inode.is_reg or inode.opens > 0 or inode.nlink == 0:
             return False
         for parent, name in list(self.ns.names_of(ino)):
