@@ -1637,17 +1637,18 @@ def test_random_operations_agree_with_tmpfs(kv):
     """Writes (sparse ones too), appends, truncations, reads and mmap reads, renames,
     unlinks, fsyncs and readers held open (passthrough ones, which make a writer of their
     file one the kernel writes): every result agrees with tmpfs doing the same, through
-    demotion to NVMe and back, and after a remount."""
+    demotion to NVMe and back, and after a remount from NVMe alone."""
     ref = Path(tempfile.mkdtemp(prefix="kvfs-reference-", dir="/dev/shm"))
     try:
         for seed in (1, 2):
             _random_ops((ref, kv.path), random.Random(seed), 300)
-        moves = kv.status()["moves"]
-        assert moves["demotions"] > 0 and moves["promotions"] > 0, moves
+        assert kv.status()["moves"]["demotions"] > 0
         kv.unmount()
+        kv.lose_dram()  # (written back by the unmount): every read is from NVMe, promoted
         kv.start()
         _same_files(ref, kv.path)
-        assert kv.status()["reads"]["checksum_errors"] == 0
+        status = kv.status()
+        assert status["moves"]["promotions"] > 0 and status["reads"]["checksum_errors"] == 0
     finally:
         shutil.rmtree(ref, ignore_errors=True)
 
