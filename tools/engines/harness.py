@@ -6,8 +6,9 @@ PATH unless KVFS_CMD says otherwise, e.g. KVFS_CMD="python -m kvfs" with PYTHONP
 The engine's own code runs in its virtual environment, in `ROUND_SCRIPT` (tools/engines/
 *_round.py), which must accept `--kv-dir DIR --model-dir DIR --round N --out FILE` and write
 a JSON object: `tokens` (output token ids per prompt), `seconds` (the engine's store or load
-work), `hit` (the engine's own log or counter says the KV came from the files) and
-`evidence` (that log line or counter).
+work, with its compute), `io_seconds` (where the round script can tell: the part spent in
+the engine's storage calls), `hit` (the engine's own log or counter says the KV came from
+the files) and `evidence` (that log line or counter).
 
 Per target directory:
 - round 1 (store): an empty KV directory; the engine computes and writes its KV files;
@@ -147,6 +148,15 @@ class KvfsMount:
         shutil.rmtree(self.dram_dir, ignore_errors=True)
         self.dram_dir = Path(f"/dev/shm/kvfs-engines-{uuid.uuid4().hex[:12]}")
 
+    def cpu_seconds(self) -> float:
+        """CPU time the daemon has used (user + system)."""
+        pid = self.pid()
+        if pid is None:
+            return 0.0
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def status(self) -> dict:
         return getxattr_json(self.path, "user.kvfs.status")
 
@@ -187,6 +197,8 @@ class Engine:
         self.timeout = timeout
         self.proc: subprocess.Popen | None = None
         self.stderr_path = work / "engine.log"
+        # PYTHONPATH may point at a kvfs checkout (for KVFS_CMD): not the engine's business.
+        self.env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
     def round(self, n: int) -> dict:
         t0 = time.perf_counter()
@@ -199,7 +211,7 @@ class Engine:
                 err.flush()
                 r = subprocess.run([*self.argv, "--round", str(n), "--out", str(out)],
                                    stdin=subprocess.DEVNULL, stdout=err, stderr=err, cwd="/",
-                                   timeout=self.timeout)
+                                   env=self.env, timeout=self.timeout)
             if r.returncode != 0:
                 raise HarnessError(f"round {n} exited {r.returncode}:\n{self.log_tail()}")
             result = json.loads(out.read_text())
@@ -211,7 +223,7 @@ class Engine:
             err = open(self.stderr_path, "a")  # noqa: SIM115 - lives as long as the process
             self.proc = subprocess.Popen([*self.argv, "--persistent"], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=err, text=True,
-                                         cwd="/")
+                                         cwd="/", env=self.env)
             err.close()
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(f"{n}\n")
@@ -241,7 +253,7 @@ class Engine:
 
 def compare(reference: dict, result: dict, n: int) -> dict:
     same = result["tokens"] == reference["tokens"]
-    summary = {"round": n, "seconds": result["seconds"],
+    summary = {"round": n, "seconds": result["seconds"], "io_seconds": result.get("io_seconds"),
                "process_seconds": result["process_seconds"], "hit": bool(result["hit"]),
                "evidence": result.get("evidence", ""), "tokens_identical": same}
     if not same:
@@ -268,10 +280,13 @@ def run_target(kind: str, args: argparse.Namespace, work: Path) -> dict:
     out: dict = {"target": kind, "kv_dir": str(kv_dir), "rounds": []}
     try:
         log(f"{args.name} on {kind}: round 1 (store) into {kv_dir}")
+        cpu = mount.cpu_seconds() if mount is not None else 0.0
         first = engine.round(1)
-        out["store"] = {"seconds": first["seconds"],
+        out["store"] = {"seconds": first["seconds"], "io_seconds": first.get("io_seconds"),
                         "process_seconds": first["process_seconds"],
                         "hit": bool(first["hit"]), "evidence": first.get("evidence", "")}
+        if mount is not None:
+            out["store"]["kvfs_daemon_cpu_seconds"] = round(mount.cpu_seconds() - cpu, 2)
         out["written"] = tree_facts(kv_dir)
         if out["written"]["files"] == 0:
             raise HarnessError(f"round 1 wrote no file into {kv_dir}")
@@ -303,7 +318,8 @@ def run_target(kind: str, args: argparse.Namespace, work: Path) -> dict:
                 n += 1
                 if kind != "tmpfs" and not args.keep_page_cache:
                     drop_page_cache()
-                before = mount.status()["reads"] if mount is not None else None
+                if mount is not None:
+                    before, cpu = mount.status()["reads"], mount.cpu_seconds()
                 log(f"{args.name} on {kind}: round {n} (load)")
                 summary = compare(first, engine.round(n), n)
                 if mount is not None:
@@ -311,6 +327,7 @@ def run_target(kind: str, args: argparse.Namespace, work: Path) -> dict:
                     summary["kvfs_reads"] = {k: after[k] - before.get(k, 0)
                                              for k in ("chunks_from_dram", "chunks_from_nvme",
                                                        "checksum_errors") if k in after}
+                    summary["kvfs_daemon_cpu_seconds"] = round(mount.cpu_seconds() - cpu, 2)
                 out["rounds"].append(summary)
                 log(f"  hit {summary['hit']} ({summary['evidence']}), tokens identical "
                     f"{summary['tokens_identical']}, {summary['seconds']} s")

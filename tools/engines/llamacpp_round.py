@@ -141,6 +141,7 @@ def main() -> None:
     tokens_buf = (llama_cpp.llama_token * n_ctx)()
     results, hits, restored = [], [], []
     tee = Tee(sys.stderr)
+    io = 0.0
     t0 = time.perf_counter()
     with contextlib.redirect_stderr(tee):
         for i, prompt in enumerate(prompts(args.prompts, args.prompt_len, llm.n_vocab())):
@@ -149,8 +150,10 @@ def main() -> None:
             llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
             if args.round > 1:
                 n_out = ctypes.c_size_t(0)
+                t_io = time.perf_counter()
                 nbytes = llama_cpp.llama_state_seq_load_file(ctx, path, 0, tokens_buf, n_ctx,
                                                               ctypes.byref(n_out))
+                io += time.perf_counter() - t_io
                 if nbytes == 0:
                     raise SystemExit(f"llama_state_seq_load_file({path!r}) failed")
                 n = n_out.value
@@ -164,12 +167,15 @@ def main() -> None:
             if args.round == 1:
                 n = llm.n_tokens
                 tokens_buf[:n] = [int(t) for t in llm.input_ids[:n]]
+                t_io = time.perf_counter()
                 if llama_cpp.llama_state_seq_save_file(ctx, path, 0, tokens_buf, n) == 0:
                     raise SystemExit(f"llama_state_seq_save_file({path!r}) failed")
+                io += time.perf_counter() - t_io
     seconds = time.perf_counter() - t0
     result = {
         "tokens": results,
         "seconds": round(seconds, 3),
+        "io_seconds": round(io, 3),
         "hit": args.round > 1 and all(h >= args.prompt_len - 1 for h in hits),
         "evidence": f"prefix-match hits {hits}" + (f", restored tokens {restored}"
                                                      if restored else ""),

@@ -96,21 +96,28 @@ class Store:
 
 def one_round(store: Store, model, args: argparse.Namespace) -> dict:
     tokens, found = [], []
+    io = 0.0
     t0 = time.perf_counter()
     for prompt in hf_kv.prompts(args.prompts, args.prompt_len, model.config.vocab_size):
         cached_len = (len(prompt) - 1) // CHUNK * CHUNK
         keys = store.keys(prompt[:cached_len])
+        t_io = time.perf_counter()
         present = next((i for i, k in enumerate(keys) if not store.disk.contains(k)),
                        len(keys))
         found.append(present)
         if present == len(keys):
             kv = store.get(keys)
+            io += time.perf_counter() - t_io
         else:
+            io += time.perf_counter() - t_io
             kv = hf_kv.prefill(model, prompt[:cached_len])
+            t_io = time.perf_counter()
             store.put(keys, kv)
+            io += time.perf_counter() - t_io
         tokens.append(hf_kv.continue_greedy(model, kv, prompt[cached_len:], args.max_tokens))
     want = (args.prompt_len - 1) // CHUNK
     return {"tokens": tokens, "seconds": round(time.perf_counter() - t0, 3),
+            "io_seconds": round(io, 3),
             "hit": all(f == want for f in found),
             "evidence": f"LocalDiskBackend.contains: {found} of {want} chunks per prompt"}
 

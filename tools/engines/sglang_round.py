@@ -76,26 +76,33 @@ def main() -> None:
     layers, heads, dim = hf_kv.LAYERS, hf_kv.KV_HEADS, hf_kv.HEAD_DIM
     page_numel = 2 * PAGE * layers * heads * dim
     tokens, found = [], []
+    io = 0.0
     t0 = time.perf_counter()
     for prompt in hf_kv.prompts(args.prompts, args.prompt_len, model.config.vocab_size):
         cached_len = (len(prompt) - 1) // PAGE * PAGE  # the last token is always computed
         keys = get_native_hash(prompt[:cached_len], None, PAGE)
+        t_io = time.perf_counter()
         hit_pages = storage.batch_exists(keys)
         found.append(hit_pages)
         if hit_pages == len(keys):
             pages = [torch.empty(page_numel, dtype=torch.float32) for _ in keys]
             got = storage.batch_get(keys, pages)
+            io += time.perf_counter() - t_io
             if any(g is None for g in got):
                 raise SystemExit(f"batch_get returned {sum(g is None for g in got)} misses")
             kv = from_pages(pages, layers, heads, dim)
         else:
+            io += time.perf_counter() - t_io
             kv = hf_kv.prefill(model, prompt[:cached_len])
-            if not storage.batch_set(keys, to_pages(kv)):
+            pages = to_pages(kv)
+            t_io = time.perf_counter()
+            if not storage.batch_set(keys, pages):
                 raise SystemExit("batch_set failed")
+            io += time.perf_counter() - t_io
         tokens.append(hf_kv.continue_greedy(model, kv, prompt[cached_len:], args.max_tokens))
     seconds = time.perf_counter() - t0
     want = (args.prompt_len - 1) // PAGE
-    result = {"tokens": tokens, "seconds": round(seconds, 3),
+    result = {"tokens": tokens, "seconds": round(seconds, 3), "io_seconds": round(io, 3),
               "hit": all(f == want for f in found),
               "evidence": f"batch_exists: {found} of {want} pages per prompt"}
     args.out.write_text(json.dumps(result))

