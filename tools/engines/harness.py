@@ -17,8 +17,10 @@ Per target directory:
 - round 2 (load): the same prompts; must be a cache hit with the tokens of round 1;
 - kvfs only: SIGKILL of the daemon, the dead mount detached, remount on the same tiers;
 - round 3 (load): again a hit with identical tokens.
-The page cache is dropped before each load round on ext4 and kvfs (the KV files, and kvfs's
-NVMe segments, must come from the disk, not from memory), unless --keep-page-cache.
+Before each load round on ext4 and kvfs the KV files (ext4) or the NVMe tier's files (kvfs)
+are evicted from the page cache, so that they come from the disk, unless --keep-page-cache.
+Only those files: a global drop_caches would also evict the model's weights, which llama.cpp
+and transformers map lazily, and the engine would page them in during the timed round.
 
 `--persistent` keeps one engine process for all rounds (LMCache's disk index lives only in
 its process): the round script then reads a round number per line on stdin and writes one
@@ -59,10 +61,19 @@ def mounted(path: Path) -> bool:
         return any(line.split()[4] == real for line in f)
 
 
-def drop_page_cache() -> None:
+def evict_from_page_cache(root: Path) -> None:
+    """Drop the cached pages of every file under *root* (written back first)."""
     os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("1\n")
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            if not os.path.isfile(path):
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def tree_facts(root: Path) -> dict:
@@ -273,8 +284,7 @@ def run_target(kind: str, args: argparse.Namespace, work: Path) -> dict:
         kv_dir = Path(f"/dev/shm/kvfs-engines-tmpfs-{uuid.uuid4().hex[:12]}")
     else:
         kv_dir = work / "ext4-kv"
-    if kind != "kvfs":
-        kv_dir.mkdir(parents=True)
+    kv_dir.mkdir(parents=True)  # as an operator would; llama.cpp's slot path must exist
     engine = Engine(args.python, args.round_script, args.model_dir, kv_dir, work,
                     args.persistent, args.engine_arg, args.timeout)
     out: dict = {"target": kind, "kv_dir": str(kv_dir), "rounds": []}
@@ -317,7 +327,7 @@ def run_target(kind: str, args: argparse.Namespace, work: Path) -> dict:
             else:
                 n += 1
                 if kind != "tmpfs" and not args.keep_page_cache:
-                    drop_page_cache()
+                    evict_from_page_cache(mount.nvme_dir if mount is not None else kv_dir)
                 if mount is not None:
                     before, cpu = mount.status()["reads"], mount.cpu_seconds()
                 log(f"{args.name} on {kind}: round {n} (load)")
@@ -366,12 +376,12 @@ def main() -> int:
     p.add_argument("--kvfs-options", default=os.environ.get(
         "KVFS_OPTIONS", "dram_size=2G,nvme_size=16G"), help="-o options of the kvfs mount")
     p.add_argument("--keep-page-cache", action="store_true",
-                   help="do not drop the page cache before load rounds")
+                   help="do not evict the KV files from the page cache before load rounds")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per engine round")
     p.add_argument("--json-out", type=Path, help="also write the summary here")
     args = p.parse_args()
     if os.geteuid() != 0:
-        raise SystemExit("harness.py: run as root (FUSE mounts, drop_caches)")
+        raise SystemExit("harness.py: run as root (FUSE mounts)")
     if args.work.exists():
         shutil.rmtree(args.work)
     results = {"engine": args.name, "date": time.strftime("%Y-%m-%d"), "targets": {}}

@@ -68,8 +68,8 @@ def main(paths: list[str]) -> int:
           "\nthat read them back (kvfs: after a clean remount with the files on NVMe only,"
           "\nthen after SIGKILL of the daemon and a remount). Seconds of the engine's own"
           "\nstore/load work in its process, compute included; engine I/O s: the part of it in the"
-          "\nengine's storage calls (store / loads). Page cache dropped before each load on"
-          "\next4 and kvfs.")
+          "\nengine's storage calls (store / loads). The KV files (ext4) or kvfs's NVMe files"
+          "\nare evicted from the page cache before each load.")
     return 0 if ok else 1
 
 
