@@ -39,7 +39,7 @@ MODEL_NAME = "kvfs-tiny-random"
 
 
 class Store:
-    def __init__(self, kv_dir: str) -> None:
+    def __init__(self, kv_dir: str, odirect: bool) -> None:
         from lmcache.v1.config import load_engine_config_with_overrides
         from lmcache.v1.metadata import LMCacheMetadata
         from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
@@ -49,7 +49,9 @@ class Store:
         self.config = load_engine_config_with_overrides(overrides={
             "chunk_size": CHUNK, "local_cpu": False, "max_local_cpu_size": 1.0,
             "local_disk": f"file://{kv_dir}/", "max_local_disk_size": 8.0,
-            "save_unfull_chunk": False})
+            "save_unfull_chunk": False,
+            # LMCACHE_EXTRA_CONFIG='{"use_odirect": true}': O_DIRECT for block-sized files
+            "extra_config": {"use_odirect": odirect}})
         layers, heads, dim = hf_kv.LAYERS, hf_kv.KV_HEADS, hf_kv.HEAD_DIM
         self.metadata = LMCacheMetadata(
             model_name=MODEL_NAME, world_size=1, local_world_size=1, worker_id=0,
@@ -127,6 +129,8 @@ def main() -> None:
     p.add_argument("--model-dir", type=Path, required=True)
     p.add_argument("--kv-dir")
     p.add_argument("--persistent", action="store_true")
+    p.add_argument("--odirect", action="store_true",
+                   help="LMCache's use_odirect: O_DIRECT writes and reads of its chunk files")
     p.add_argument("--build-model", action="store_true")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=2000)
@@ -141,7 +145,7 @@ def main() -> None:
     results = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     model = hf_kv.load_model(args.model_dir)
-    store = Store(args.kv_dir)
+    store = Store(args.kv_dir, args.odirect)
     for line in sys.stdin:
         args.round = int(line)
         results.write(json.dumps(one_round(store, model, args)) + "\n")
