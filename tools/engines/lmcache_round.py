@@ -1,11 +1,11 @@
 """Rounds of LMCache's local-disk backend (`LocalDiskBackend`) on a KV directory.
 
 Runs in the LMCache virtual environment (tools/engines/lmcache.sh makes it). LMCache's GPU
-connectors need CUDA, so the KV comes from a tiny random-weights Llama in transformers
-(hf_kv.py) and LMCache's own storage layer does the rest: its ChunkedTokenDatabase keys
-the prompt's 256-token chunks (prefix hashes), a LocalCPUBackend allocates the chunks'
-memory objects (KV_2LTD: [2, layers, tokens, kv_heads * head_dim]) and the LocalDiskBackend
-configured as by
+connectors need its CUDA ops (lmcache.cuda_ops), so the KV comes from a tiny random-weights
+Llama in transformers (hf_kv.py) and LMCache's own storage layer does the rest: its
+ChunkedTokenDatabase keys the prompt's 256-token chunks (prefix hashes), a LocalCPUBackend
+allocates the chunks' memory objects (KV_2LTD: [2, layers, tokens, kv_heads * head_dim])
+and the LocalDiskBackend configured as by
 
     LMCACHE_LOCAL_DISK=file://KV_DIR/ LMCACHE_MAX_LOCAL_DISK_SIZE=<GiB> LMCACHE_LOCAL_CPU=False
 

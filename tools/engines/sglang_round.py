@@ -1,9 +1,9 @@
 """One round of SGLang's HiCache file storage backend (`HiCacheFile`) on a KV directory.
 
-Runs in the SGLang virtual environment (tools/engines/sglang.sh makes it). SGLang's model
-runner needs its CUDA (or Intel AMX) kernels, so the KV comes from a tiny random-weights
-Llama in transformers (hf_kv.py), and SGLang's own storage layer does the rest, as its
-HiCache controller would with
+Runs in the SGLang virtual environment (tools/engines/sglang.sh makes it). SGLang's server
+needs its CUDA kernels (or a source build for Intel AMX CPUs), so the KV comes from a tiny
+random-weights Llama in transformers (hf_kv.py), and SGLang's own storage layer does the
+rest, as its HiCache controller would with
 
     --enable-hierarchical-cache --hicache-storage-backend file
     SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=KV_DIR   (or --hicache-storage-backend-extra-config
