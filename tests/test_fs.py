@@ -562,6 +562,20 @@ def test_statvfs_and_blocks(kv):
     assert os.stat(small).st_blocks * 512 == 8192  # pages, not a whole chunk
 
 
+def test_buffered_io_fills_whole_requests(kv):
+    """stdio and Python buffer by st_blksize; through FUSE each read() is a round trip, so a
+    buffered reader of small records (llama.cpp's slot restore) must fill 1 MiB per read()."""
+    p = kv.path / "slot.bin"
+    data = os.urandom(3 << 20)
+    p.write_bytes(data)
+    assert os.stat(p).st_blksize == 1 << 20
+    with open(p, "rb") as f:
+        assert len(f.peek(1)) == 1 << 20  # the buffer's first fill is one whole read()
+        got = b"".join(iter(lambda: f.read(4062), b""))
+    assert got == data
+    assert os.statvfs(kv.path).f_bsize == 4096  # O_DIRECT alignment stays the block's
+
+
 def test_fsync_file_and_dir(kv):
     p = kv.path / "s"
     with open(p, "wb") as f:
