@@ -21,8 +21,8 @@ import struct
 import xxhash
 
 from kvfs.namespace import DENSE, Inode
-from kvfs.store.chunkstore import _LOC, LOST, PACKED, SEALED, TAIL_LOST, parse_loc
 from kvfs.store.codec import Codec, CodecError
+from kvfs.store.location import LOC, LOST, PACKED, SEALED, TAIL_LOST, parse_loc
 from kvfs.store.meta import FormatError, MetaStore, from_key2, from_u64
 from kvfs.store.nvme import NvmeLog, RecordError
 
@@ -131,7 +131,7 @@ def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
     for k, v in meta.scan("shadows"):
         try:
             ino, c = from_key2(k)
-            _, seg, off, rec_len, raw_len, _, _, _, csum, seq = _LOC.unpack(v[:_LOC.size])
+            _, seg, off, rec_len, raw_len, _, _, _, csum, seq = LOC.unpack(v[:LOC.size])
         except struct.error:
             out(f"shadows entry {k.hex()}: damaged")
             errors += 1

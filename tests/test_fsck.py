@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kvfs.store.chunkstore import _LOC
+from kvfs.store.location import LOC
 from kvfs.store.meta import MetaStore, key2
 
 CHUNK = 64 << 10
@@ -60,9 +60,9 @@ def test_bytes_past_a_files_end_are_found(kv, where):
         if where == "past the end":  # chunk 0 copied to chunk 5
             txn.put(key2(ino, 5), txn.get(key2(ino, 0), db=db), db=db)
         else:  # chunk 1 claims all of its bytes again
-            loc = list(_LOC.unpack(txn.get(key2(ino, 1), db=db)))
+            loc = list(LOC.unpack(txn.get(key2(ino, 1), db=db)))
             loc[4] = CHUNK
-            txn.put(key2(ino, 1), _LOC.pack(*loc), db=db)
+            txn.put(key2(ino, 1), LOC.pack(*loc), db=db)
 
     _damage(kv, ino, change)
     r = kv.fsck()

@@ -38,18 +38,15 @@ import logging
 import math
 import mmap
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import NamedTuple, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import trio
-import xxhash
 
-from kvfs import _digest
 from kvfs._index import ChunkIndex
 from kvfs.faults import CrashPoints
 from kvfs.nursery import open_nursery
@@ -57,8 +54,26 @@ from kvfs.store.choices import ChoiceMemory
 from kvfs.store.codec import CODEC_RAW, Codec, CodecError
 from kvfs.store.dram import OPEN_FILES, DramFile, DramFiles, pages
 from kvfs.store.episode import Episode
+from kvfs.store.location import (
+    HASH_RELEASES_GIL,
+    HOLE,
+    IN_DRAM,
+    LOC,
+    LOST,
+    PACKED,
+    SEALED,
+    TAIL_LOST,
+    U32,
+    ChunkError,
+    Counters,
+    Loc,
+    NoSpace,
+    hash_bytes,
+    nvme_only,
+    parse_loc,
+    slot_len,
+)
 from kvfs.store.meta import (
-    COUNTER_MAX,
     FORMAT_VERSION,
     MetaStore,
     from_key2,
@@ -88,17 +103,6 @@ def _test_fetch_delay() -> None:
     if _TEST_FETCH_DELAY[1] and os.path.exists(_TEST_FETCH_DELAY[1]):
         time.sleep(float(_TEST_FETCH_DELAY[0]))
 
-SEALED = 1  # checksum covers the current bytes
-LOST = 2  # the only copy was in DRAM and DRAM was lost (reboot): reads fail with EIO
-PACKED = 4  # the DRAM region holds the NVMe record's payload, not the raw bytes (format 2)
-# Bytes past raw_len were written, then lost with DRAM (the chunk went back to its shadow):
-# reads there fail with EIO instead of reading zeros (format 3).
-TAIL_LOST = 8
-IN_DRAM = 0  # dram_slot of a chunk with a DRAM copy (format 3: the region is implied)
-STREAM_USER = 0
-STREAM_GC = 1
-_LOC = struct.Struct("<qIQIIIBBQQ")
-_U32 = struct.Struct("<I")
 # Hashing this much inline (~30 us) is cheaper than a round trip to a worker thread.
 INLINE_HASH_BYTES = 512 << 10
 # ... and from this much on, two worker threads hash a file's halves at once.
@@ -149,24 +153,6 @@ DRAM_WAIT_S = 60.0
 FULL_RETRY_S = 1.0
 
 
-class Loc(NamedTuple):
-    dram_slot: int
-    seg: int
-    off: int
-    rec_len: int
-    raw_len: int
-    stored_len: int
-    codec: int
-    flags: int
-    checksum: int
-    seq: int
-
-
-# The shadow of a chunk written into a hole from past its start (`ChunkStore._shadow`): no
-# record, nothing but zeros up to where the write began.
-HOLE = Loc(-1, 0, 0, 0, 0, 0, CODEC_RAW, 0, 0, 0)
-
-
 @dataclass
 class WritePlan:
     """A write whose bytes are copied straight into DRAM regions (plan_write)."""
@@ -174,46 +160,6 @@ class WritePlan:
     ino: int
     # (chunk, start, stop, location before the write); in place if it had a DRAM copy
     pieces: list[tuple[int, int, int, Loc | None]]
-
-
-def parse_loc(value: bytes, chunk_size: int) -> Loc:
-    """A chunk location as stored in lmdb; ValueError (or struct.error) if it cannot be one
-    (damaged metadata), so that no read trusts a length or an offset it never wrote."""
-    loc = Loc._make(_LOC.unpack(value))
-    if loc.dram_slot < -1 or loc.raw_len > chunk_size or loc.flags >= TAIL_LOST << 1:
-        raise ValueError(f"impossible chunk location {loc}")
-    if loc.seq >= COUNTER_MAX or loc.flags & PACKED and not loc.seg:
-        raise ValueError(f"impossible chunk location {loc}")
-    if loc.seg and (loc.off < BLOCK or loc.off % BLOCK
-                    or loc.rec_len != record_length(loc.stored_len)):
-        raise ValueError(f"impossible record location {loc}")
-    return loc
-
-
-def slot_len(loc: Loc) -> int:
-    """Bytes a chunk's DRAM region holds: its record's payload when packed, else its bytes."""
-    return loc.stored_len if loc.flags & PACKED else loc.raw_len
-
-
-def nvme_only(loc: Loc) -> Loc:
-    """*loc* without its DRAM copy."""
-    return loc._replace(dram_slot=-1, flags=loc.flags & ~PACKED)
-
-
-class NoSpace(Exception):
-    """Storing more bytes would exceed the capacity of the filesystem."""
-
-
-class ChunkError(Exception):
-    """A chunk cannot be read correctly; the message names the file and chunk."""
-
-    errno = errno.EIO
-
-
-# xxh3-64 of a chunk's raw bytes: kvfs._digest's releases the GIL (workers hash in parallel
-# and the trio thread runs meanwhile); python-xxhash's, the same function, where it cannot run.
-xxhash_hash = xxhash.xxh3_64_intdigest
-_hash = _digest.xxh3 if _digest.fast() else xxhash_hash
 
 
 class StageWatch(Protocol):
@@ -245,38 +191,6 @@ class _Mismatch(Exception):
 
 
 T = TypeVar("T")
-
-
-@dataclass
-class Counters:
-    chunks_from_dram: int = 0
-    chunks_from_nvme: int = 0
-    chunks_from_holes: int = 0
-    promotions: int = 0
-    demotions: int = 0
-    writebacks: int = 0
-    checksum_errors: int = 0
-    dram_checks: int = 0  # DRAM copies hashed on the read path before being trusted
-    user_bytes_written: int = 0  # record bytes written to NVMe for user data
-    gc_bytes_written: int = 0
-    read_latency_us: list[int] = field(default_factory=lambda: [0] * 24)  # log2 buckets
-    read_latency_dram_us: list[int] = field(default_factory=lambda: [0] * 24)  # DRAM hits
-    read_latency_nvme_us: list[int] = field(default_factory=lambda: [0] * 24)  # NVMe reads
-    prefetch_issued: int = 0
-    prefetch_used: int = 0  # a prefetched chunk was read while in DRAM
-    prefetch_late: int = 0  # a demand read found its chunk's prefetch still in flight
-    prefetch_wasted: int = 0  # a prefetched chunk left DRAM unread
-    direct_writes: int = 0  # writes copied by the shim straight into DRAM (plan_write)
-    passthrough_opens: int = 0  # opens the kernel serves from the DRAM file itself
-    passthrough_chunks: int = 0  # ... their chunks (in chunks_from_dram, or from_nvme if:)
-    staged_chunks: int = 0  # ... brought in from NVMe for such an open (stage_file)
-    stream_opens: int = 0  # new files the kernel wrote straight into their DRAM file
-    stream_adoptions: int = 0  # files in passthrough mode it went on to write (adopt_stream)
-    streamed_chunks: int = 0  # ... chunks taken from them (at close or fsync)
-    unpacked: int = 0  # DRAM hits that decoded a packed copy
-    read_ahead: int = 0  # NVMe chunks read ahead of a read-through reader (into memory)
-    read_ahead_used: int = 0  # ... and then read by it (in chunks_from_nvme)
-    front_reads: int = 0  # READs the front thread answered from chunks read ahead
 
 
 @dataclass(eq=False)
@@ -373,7 +287,7 @@ class ChunkStore:
         self.kick_demoter: Callable[[], None] = lambda: None
         self.cleaner = None  # set by the assembly (store.gc.Cleaner)
         # Placement: which stream a file's records go to (issue 5 classifies; default one).
-        self.stream_of: Callable[[int], int] = lambda ino: STREAM_USER
+        self.stream_of: Callable[[int], int] = lambda ino: 0
         self.file_deleted: Callable[[int], None] = lambda ino: None  # lifetime learning
         # Prefetch bookkeeping: chunks staged ahead of a read and not read yet, and in flight.
         self.prefetched: set[tuple[int, int]] = set()
@@ -513,7 +427,7 @@ class ChunkStore:
             for ino, c, loc in self.index.items():
                 loc = Loc._make(loc)
                 if loc.dram_slot >= 0 and not loc.flags & SEALED:
-                    csum = _hash(self._dram_bytes(ino, c, loc.raw_len))
+                    csum = hash_bytes(self._dram_bytes(ino, c, loc.raw_len))
                     self._store_loc(txn, ino, c, loc._replace(flags=loc.flags | SEALED,
                                                               checksum=csum))
         if arena is not None:
@@ -530,8 +444,8 @@ class ChunkStore:
     def _parse_shadow(self, k: bytes, v: bytes) -> tuple[tuple[int, int], Loc, int]:
         """A `shadows` entry: its key, location and (format 4) the first byte written since
         (before format 4, 0: the whole chunk is suspect)."""
-        written_from = _U32.unpack(v[_LOC.size:])[0] if len(v) != _LOC.size else 0
-        return from_key2(k), parse_loc(v[:_LOC.size], self.cs), written_from
+        written_from = U32.unpack(v[LOC.size:])[0] if len(v) != LOC.size else 0
+        return from_key2(k), parse_loc(v[:LOC.size], self.cs), written_from
 
     def _load_shadows(self, fixes, owned: dict[int, list[tuple[int, int]]]
                       ) -> list[tuple[int, int]]:
@@ -646,7 +560,7 @@ class ChunkStore:
         try:
             data = self.codec.decode(loc.codec, self._dram_bytes(ino, c, loc.stored_len),
                                      loc.raw_len)
-            if len(data) != loc.raw_len or _hash(data) != loc.checksum:
+            if len(data) != loc.raw_len or hash_bytes(data) != loc.checksum:
                 raise CodecError("checksum mismatch")
             self.dram.write(ino, c, 0, data)
         except (CodecError, OSError) as exc:
@@ -713,7 +627,7 @@ class ChunkStore:
             txn.delete(key2(ino, c), db=self.meta.db["chunks"])
             self.index.pop(ino, c)
         else:
-            txn.put(key2(ino, c), _LOC.pack(*loc), db=self.meta.db["chunks"])
+            txn.put(key2(ino, c), LOC.pack(*loc), db=self.meta.db["chunks"])
             self.index.set(ino, c, tuple(loc))
 
     def _replace(self, txn, ino: int, c: int, old: Loc | None, new: Loc | None,
@@ -767,7 +681,7 @@ class ChunkStore:
             self.nvme_live += loc.rec_len
         self.shadows[key] = loc
         self.shadow_from[key] = written_from
-        txn.put(key2(*key), _LOC.pack(*loc) + _U32.pack(written_from),
+        txn.put(key2(*key), LOC.pack(*loc) + U32.pack(written_from),
                 db=self.meta.db["shadows"])
 
     def _unshadow(self, txn, key: tuple[int, int]) -> None:
@@ -1009,7 +923,7 @@ class ChunkStore:
                 if check:
                     self.counters.dram_checks += 1
                     view = self._dram_bytes(ino, c, loc.raw_len)
-                    if _hash(view) != loc.checksum:
+                    if hash_bytes(view) != loc.checksum:
                         self.counters.checksum_errors += 1
                         raise ChunkError(f"inode {ino} chunk {c}: checksum mismatch in DRAM")
                     self._mark_checked(ino, c, loc)
@@ -1258,7 +1172,7 @@ class ChunkStore:
             data = self.codec.decode(loc.codec, payload, loc.raw_len)
         except CodecError as exc:
             return str(exc)
-        if len(data) != loc.raw_len or _hash(data) != loc.checksum:
+        if len(data) != loc.raw_len or hash_bytes(data) != loc.checksum:
             return "checksum mismatch in DRAM (packed)"
         return data
 
@@ -1505,7 +1419,7 @@ class ChunkStore:
             else:
                 self.codec.decode_into(h.codec, payload, h.raw_len, target)
                 data = target
-            if len(data) != loc.raw_len or _hash(data) != loc.checksum:
+            if len(data) != loc.raw_len or hash_bytes(data) != loc.checksum:
                 raise _Mismatch
             if then is not None:
                 return then(data)
@@ -1952,7 +1866,7 @@ class ChunkStore:
         for an engine's blocks); others are sealed at close, so that the next write of a
         stream does not have to unseal them first."""
         if whole is not None:
-            return Loc(IN_DRAM, 0, 0, 0, length, 0, CODEC_RAW, SEALED, _hash(whole),
+            return Loc(IN_DRAM, 0, 0, 0, length, 0, CODEC_RAW, SEALED, hash_bytes(whole),
                        self._next_seq())
         return Loc(IN_DRAM, 0, 0, 0, length, 0, CODEC_RAW, 0, 0, self._next_seq())
 
@@ -2050,8 +1964,8 @@ class ChunkStore:
         runs without the GIL)."""
         total = sum(loc.raw_len for _, loc in todo)
         if total <= INLINE_HASH_BYTES:
-            return [_hash(self._dram_bytes(ino, c, loc.raw_len)) for c, loc in todo]
-        half = len(todo) // 2 if total >= PARALLEL_HASH_BYTES and _hash is not xxhash_hash else 0
+            return [hash_bytes(self._dram_bytes(ino, c, loc.raw_len)) for c, loc in todo]
+        half = len(todo) // 2 if total >= PARALLEL_HASH_BYTES and HASH_RELEASES_GIL else 0
         parts = [todo[:half], todo[half:]] if half else [todo]
         sums: list[list[int]] = [[] for _ in parts]
         held = self.dram.hold(ino)
@@ -2076,7 +1990,7 @@ class ChunkStore:
         for c, loc in todo:
             view = memoryview(buf)[:loc.raw_len]
             self.dram.read_region(held.fd, c * self.cs, view)
-            sums.append(_hash(view))
+            sums.append(hash_bytes(view))
         return sums
 
     def _nchunks(self, size: int) -> int:
@@ -2314,7 +2228,7 @@ class ChunkStore:
         and the chunk). Returns the file's codec choice, whether that was a full choice, and
         the codec this chunk was really stored with (raw when it did not compress)."""
         view = memoryview(data)
-        csum = _hash(view)  # a record is written only with the checksum of its own bytes
+        csum = hash_bytes(view)  # a record is written only with the checksum of its own bytes
         full = False
         if codec_id is None:
             sample = view[:65536]

@@ -1000,7 +1000,7 @@ def _to_arena_layout(m, format_version: int) -> None:
     of those versions): every DRAM copy in a slot of one `arena` file, lmdb naming the slot."""
     import struct
 
-    from kvfs.store.chunkstore import _LOC, PACKED
+    from kvfs.store.location import LOC, PACKED
     from kvfs.store.meta import MetaStore, from_key2
 
     meta = MetaStore(str(m.nvme_dir / "meta"))
@@ -1011,7 +1011,7 @@ def _to_arena_layout(m, format_version: int) -> None:
             arena.truncate(64 * CHUNK)
             cur = txn.cursor(db=meta.db["chunks"])
             for k, v in list(cur):
-                loc = list(_LOC.unpack(v))
+                loc = list(LOC.unpack(v))
                 if loc[0] < 0:
                     continue
                 ino, c = from_key2(k)
@@ -1022,7 +1022,7 @@ def _to_arena_layout(m, format_version: int) -> None:
                 arena.write(data)
                 loc[0] = slot
                 slot += 1
-                txn.put(k, _LOC.pack(*loc), db=meta.db["chunks"])
+                txn.put(k, LOC.pack(*loc), db=meta.db["chunks"])
             sb = json.loads(txn.get(b"superblock", db=meta.db["super"]))
             sb["format"] = format_version
             txn.put(b"superblock", json.dumps(sb).encode(), db=meta.db["super"])

@@ -17,9 +17,10 @@ import pytest
 import trio
 
 from kvfs.store import gc as gcmod
-from kvfs.store.chunkstore import _LOC, ChunkStore, Loc
+from kvfs.store.chunkstore import ChunkStore
 from kvfs.store.codec import Codec, CodecPolicy
 from kvfs.store.gc import Cleaner
+from kvfs.store.location import LOC, Loc
 from kvfs.store.meta import MetaStore, from_key2
 from kvfs.store.nvme import BLOCK
 from kvfs.store.streams import StreamTable
@@ -220,7 +221,7 @@ def _committed_locations(meta, table: str = "chunks") -> dict[tuple[int, int], L
     out = {}
     with meta.env.begin(db=meta.db[table]) as txn:  # a fresh reader sees committed state only
         for k, v in txn.cursor():
-            out[from_key2(k)] = Loc._make(_LOC.unpack(v))
+            out[from_key2(k)] = Loc._make(LOC.unpack(v))
     return out
 
 

@@ -28,9 +28,9 @@ from kvfs import fsck
 from kvfs.assemble import Assembly
 from kvfs.config import Settings
 from kvfs.namespace import _INODE, parse_inode
-from kvfs.store.chunkstore import _LOC, Loc, parse_loc
 from kvfs.store.codec import CODEC_NAMES, Codec, CodecError, CodecPolicy
 from kvfs.store.dram import remove_dram_dir
+from kvfs.store.location import LOC, Loc, parse_loc
 from kvfs.store.meta import TABLES, FormatError, MetaStore
 from kvfs.store.nvme import (
     BLOCK,
@@ -202,10 +202,10 @@ def test_superblock_parser(tmp_path_factory, raw):
 
 
 @FUZZ
-@given(st.one_of(st.binary(min_size=_LOC.size, max_size=_LOC.size),
+@given(st.one_of(st.binary(min_size=LOC.size, max_size=LOC.size),
                  st.tuples(st.integers(-3, 3), st.integers(0, 9), st.integers(0, 5 * BLOCK),
                            U32, st.integers(0, 2 * CHUNK), U32, st.integers(0, 255),
-                           st.integers(0, 255), U64, U64).map(lambda t: _LOC.pack(*t))))
+                           st.integers(0, 255), U64, U64).map(lambda t: LOC.pack(*t))))
 def test_chunk_location_parser(raw):
     try:
         loc = parse_loc(raw, CHUNK)
