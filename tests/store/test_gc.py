@@ -221,7 +221,7 @@ def _committed_locations(meta, table: str = "chunks") -> dict[tuple[int, int], L
     out = {}
     with meta.env.begin(db=meta.db[table]) as txn:  # a fresh reader sees committed state only
         for k, v in txn.cursor():
-            out[from_key2(k)] = Loc._make(LOC.unpack(v))
+            out[from_key2(k)] = Loc._make(LOC.unpack(v[:LOC.size]))  # (shadows: + a U32)
     return out
 
 
