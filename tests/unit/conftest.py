@@ -207,7 +207,8 @@ class Kvfs:
     async def write_file(self, path: str, data: bytes, *, fsync: bool = False,
                          at: int = 0) -> int:
         """Write *data* at *at* into *path* (created if absent, else opened without
-        O_TRUNC), then close it; returns its inode."""
+        O_TRUNC), then close it; returns its inode. A short write is followed by another
+        from where it stopped, as Python's and stdio's writers do."""
         try:
             fh = await self.open(path, os.O_WRONLY)
         except pyfuse3.FUSEError as exc:
@@ -215,7 +216,11 @@ class Kvfs:
                 raise
             fh = await self.create(path, flags=os.O_WRONLY)
         try:
-            assert await self.write(fh, at, data) == len(data)
+            done = 0
+            while done < len(data):
+                n = await self.write(fh, at + done, data[done:])
+                assert n > 0, "a write of nothing"
+                done += n
             if fsync:
                 await self.fsync(fh)
         finally:
