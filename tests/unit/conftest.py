@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pyfuse3
 import pytest
 import trio
@@ -248,6 +249,16 @@ class Kvfs:
     async def truncate(self, path: str, size: int) -> None:
         await self.setattr(path, st_size=size)
 
+    def sized(self, ino: int) -> Callable[[int, bool], None]:
+        """The inode update that rides along the store's take of what the kernel wrote into
+        *ino*'s DRAM file (`ChunkStore.take_stream`'s on_commit; kvfs.fs makes the same)."""
+        def update(size: int, holes: bool) -> None:
+            node = self.ns.get(ino)
+            node.resize(size, holes=holes)
+            self.ns.save(node)
+
+        return update
+
     # -- what kvfsctl asks ---------------------------------------------------------------------
     async def status(self) -> dict:
         return json.loads(await self.ops.getxattr(pyfuse3.ROOT_INODE, b"user.kvfs.status",
@@ -382,3 +393,14 @@ def tiers(tmp_path: Path) -> Tiers:
     """The directories of a kvfs with small tiers (4 MiB DRAM, 64 MiB NVMe, 64 KiB chunks),
     none mounted yet."""
     return Tiers(tmp_path)
+
+
+@pytest.fixture
+def kv_bytes() -> Callable[[int], bytes]:
+    """kv_bytes(n): *n* bytes of bf16 values as a model's KV cache holds them (they
+    compress, unlike random bytes)."""
+    def make(n: int, seed: int = 0) -> bytes:
+        values = np.random.default_rng(seed).standard_normal(n // 2).astype(np.float32)
+        return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+    return make

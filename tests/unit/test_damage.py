@@ -9,18 +9,11 @@ import errno
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kvfs.store.nvme import HEADER_SIZE
 
 CHUNK = 64 << 10
-
-
-def kv_bytes(n: int, seed: int = 0) -> bytes:
-    """*n* bytes of bf16 values as a model's KV cache holds them (they compress)."""
-    values = np.random.default_rng(seed).standard_normal(n // 2).astype(np.float32)
-    return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
 
 
 def flip(path: Path, offset: int) -> None:
@@ -62,7 +55,7 @@ def chunks_of(data: bytes) -> list[bytes]:
 
 
 @pytest.mark.parametrize("content", ["random", "kv"])
-async def test_a_damaged_record_payload_is_eio_for_its_chunk_only(tiers, content):
+async def test_a_damaged_record_payload_is_eio_for_its_chunk_only(tiers, content, kv_bytes):
     data = os.urandom(3 * CHUNK) if content == "random" else kv_bytes(3 * CHUNK)
     segment, offs, _ = await on_nvme(tiers, data)
     flip(segment, offs[1] + HEADER_SIZE + 100)
@@ -164,7 +157,7 @@ async def test_dram_verify_open_finds_damage_done_while_mounted(tiers):
         assert await read_chunks(kv, 2) == [data[:CHUNK], errno.EIO]
 
 
-async def test_a_damaged_packed_copy_is_eio(tiers):
+async def test_a_damaged_packed_copy_is_eio(tiers, kv_bytes):
     data = kv_bytes(2 * CHUNK)
     async with tiers.mount(dram_compress=True, prefetch=False) as kv:
         ino = await kv.write_file("f", data, fsync=True)

@@ -203,6 +203,30 @@ async def test_a_crash_between_the_pieces_of_a_write_leaves_whole_pieces(tiers, 
     await fsck_clean(tiers)
 
 
+@pytest.mark.parametrize("dram", ["kept", "lost"])
+async def test_a_file_the_kernel_was_writing_keeps_what_was_there(tiers, dram):
+    """A file the kernel was writing straight into its DRAM file when the daemon died
+    (passthrough; here the test writes it) is, at the next mount, what its DRAM file holds;
+    with DRAM lost, what its last fsync took, never zeros."""
+    synced, later = os.urandom(CHUNK + 100), os.urandom(2 * CHUNK)
+
+    async def write(kv) -> None:
+        await kv.release(await kv.create("s"))
+        ino = await kv.lookup("s")
+        fd = kv.store.start_stream(ino, 4 * CHUNK)
+        os.pwrite(fd, synced, 0)
+        await kv.store.take_stream(ino, done=False, on_commit=kv.sized(ino))
+        await kv.store.fsync(ino, len(synced))
+        os.pwrite(fd, later, CHUNK + 100)
+
+    await tiers.crash(write)
+    if dram == "lost":
+        tiers.lose_dram()
+    async with tiers.mount() as kv:
+        assert await kv.read_file("s") == (synced + later if dram == "kept" else synced)
+    await fsck_clean(tiers)
+
+
 async def test_a_file_unlinked_while_open_is_freed_by_the_next_mount(tiers):
     async def write(kv) -> None:
         await kv.write_file("keep", b"k" * CHUNK)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import os
 
-import numpy as np
 import pytest
 import trio
 
@@ -20,12 +19,6 @@ from kvfs.store.meta import MetaStore
 from kvfs.tiering import DramPolicy
 
 CHUNK = 64 << 10
-
-
-def kv_bytes(n: int, seed: int = 0) -> bytes:
-    """*n* bytes of bf16 values as a model's KV cache holds them (they compress)."""
-    values = np.random.default_rng(seed).standard_normal(n // 2).astype(np.float32)
-    return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
 
 
 async def until(condition) -> None:
@@ -180,6 +173,30 @@ async def test_a_file_is_staged_whole_for_an_open(tiers):
         assert await kv.read_file("f") == data
 
 
+async def test_what_the_kernel_writes_into_a_dram_file_is_taken_as_the_file(tiers):
+    """A file the kernel writes straight into its DRAM file (FUSE passthrough; here the
+    test writes it): an fsync takes its bytes so far and makes them durable, the last
+    close takes the rest; chunks the file no longer holds go."""
+    async with tiers.mount(prefetch=False) as kv:
+        await kv.release(await kv.create("s"))
+        ino = await kv.lookup("s")
+        fd = kv.store.start_stream(ino, 4 * CHUNK)
+        first = os.urandom(2 * CHUNK + 10)
+        os.pwrite(fd, first, 0)
+        assert await kv.store.take_stream(ino, done=False, on_commit=kv.sized(ino)) == \
+            len(first)
+        await kv.store.fsync(ino, len(first))
+        assert [c["dirty"] for c in await kv.where("s")] == [False, False, False]
+        rest = os.urandom(CHUNK)
+        os.pwrite(fd, rest, 4 * CHUNK)  # a hole at chunk 3 (chunk 2 still ends at 10)
+        size = await kv.store.take_stream(ino, done=True, on_commit=kv.sized(ino))
+        assert size == 5 * CHUNK and await kv.size("s") == size
+        assert [c["chunk"] for c in await kv.where("s")] == [0, 1, 2, 4]
+        assert await kv.read_file("s") == first + bytes(2 * CHUNK - 10) + rest
+        # chunks 0 and 1 kept what the fsync recorded; 2 grew (zeros past its 10 bytes)
+        assert (await kv.status())["passthrough"]["written_chunks"] == 3 + 2
+
+
 async def test_fsync_writes_back_every_dirty_chunk(tiers):
     async with tiers.mount() as kv:
         fh = await kv.create("f")
@@ -257,7 +274,7 @@ async def test_fallocate_of_a_range_reserved_already_takes_nothing_more(tiers):
         await kv.release(fh)
 
 
-async def test_packed_dram_copies_read_and_take_writes(tiers):
+async def test_packed_dram_copies_read_and_take_writes(tiers, kv_bytes):
     """dram_compress: a clean DRAM copy is kept as its compressed record; reads decode it, a
     write drops it first."""
     data = kv_bytes(3 * CHUNK)
@@ -358,7 +375,7 @@ async def test_cleaning_moves_live_records_and_frees_segments(tiers):
     assert tiers.fsck()[0] == 0
 
 
-async def test_the_store_on_its_own(tiers):
+async def test_the_store_on_its_own(tiers, kv_bytes):
     """ChunkStore needs nothing above it: a metadata store, a policy, its two directories.
     What it stores is there again when it is opened again, on NVMe once DRAM is lost."""
     def open_store() -> tuple[MetaStore, ChunkStore]:
