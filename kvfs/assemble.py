@@ -132,23 +132,34 @@ class Assembly:
     async def run(self) -> None:
         self.collector.install()  # after loading: what the mount loaded is never scanned again
         async with trio.open_nursery() as nursery:
-            self.store.spawn = nursery.start_soon  # read-ahead of read-through files
-            self.ops.spawn = nursery.start_soon  # punched holes
-            nursery.start_soon(self.demoter.run)
-            nursery.start_soon(self.cleaner.run)
-            nursery.start_soon(self.readahead.run)
-            nursery.start_soon(self.store.run_disposals)
+            self.start_tasks(nursery)
             nursery.start_soon(self._signals)
             nursery.start_soon(self.collector.run)
-            nursery.start_soon(self.ops.pt.run_takes)
-            nursery.start_soon(self.ops.pt.watch_mapped)
             # Enough request tasks that a slow NVMe read never holds up a DRAM hit.
             await pyfuse3.main(min_tasks=8, max_tasks=64)
-            await self.ops.pt.finish_mapped()  # (and every other take)
-            log.info("unmounting: writing dirty chunks back to NVMe")
-            self.left_in_dram = await self.store.writeback_all()
-            self.readahead.save()
+            await self.finish()
             nursery.cancel_scope.cancel()
+
+    def start_tasks(self, nursery: trio.Nursery) -> None:
+        """Start the mount's background work in *nursery*: the daemon's, around
+        pyfuse3.main, or a test's that calls the operations without a mount (tests/unit)."""
+        self.store.spawn = nursery.start_soon  # read-ahead of read-through files
+        self.ops.spawn = nursery.start_soon  # punched holes
+        nursery.start_soon(self.demoter.run)
+        nursery.start_soon(self.cleaner.run)
+        nursery.start_soon(self.readahead.run)
+        nursery.start_soon(self.store.run_disposals)
+        nursery.start_soon(self.ops.pt.run_takes)
+        nursery.start_soon(self.ops.pt.watch_mapped)
+
+    async def finish(self) -> None:
+        """An unmount, once no request can come any more: the files the kernel wrote are
+        taken, every dirty chunk is written back (`left_in_dram`: the bytes that could not
+        be), the read-ahead's learned order is saved."""
+        await self.ops.pt.finish_mapped()  # (and every other take)
+        log.info("unmounting: writing dirty chunks back to NVMe")
+        self.left_in_dram = await self.store.writeback_all()
+        self.readahead.save()
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
