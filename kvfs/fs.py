@@ -31,6 +31,7 @@ import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import pyfuse3
 
@@ -531,10 +532,18 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EFBIG)
         self.pt.revoke(h.ino)
         grow_inode = self._grown(h.ino, off)
-        written = await self._space_retry(
-            lambda: self.store.write(h.ino, off, buf, grow_inode), len(buf))
-        if written:
-            self._drop_capabilities(h.ino)
+        written = 0
+        while written < len(buf):  # the store stops short where a piece fails: go on from
+            # there, so that a full tier in cache mode evicts instead of ending it short
+            pos, rest = off + written, memoryview(buf)[written:]
+            try:
+                written += await self._space_retry(
+                    partial(self.store.write, h.ino, pos, rest, grow_inode), len(rest))
+            except (NoSpace, ChunkError, OSError):
+                if not written:
+                    raise
+                break  # a short write of what was stored
+        self._drop_capabilities(h.ino)
         return written
 
     def _drop_capabilities(self, ino: int) -> None:

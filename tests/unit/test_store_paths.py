@@ -338,9 +338,6 @@ async def test_cache_mode_evicts_whole_cold_files_instead_of_enospc(tiers):
         assert "f99" in present and "f0" not in present
 
 
-@pytest.mark.xfail(strict=True, reason="a piece after a write's first that meets the full "
-                   "tier ends the write short (ChunkStore.write) instead of evicting: fs.write "
-                   "evicts only for NoSpace")
 async def test_a_write_in_cache_mode_evicts_and_completes(tiers):
     """A write(2) in cache mode is whole: it evicts cold files for the room it needs, as
     for its first chunk. (A writer that loops on short writes gets there anyway, above;
