@@ -143,7 +143,7 @@ class Assembly:
     def start_tasks(self, nursery: trio.Nursery) -> None:
         """Start the mount's background work in *nursery*: the daemon's, around
         pyfuse3.main, or a test's that calls the operations without a mount (tests/unit)."""
-        self.store.spawn = nursery.start_soon  # read-ahead of read-through files
+        self.store.through.start_tasks(nursery.start_soon)  # read-ahead of read-through files
         self.ops.spawn = nursery.start_soon  # punched holes
         nursery.start_soon(self.demoter.run)
         nursery.start_soon(self.cleaner.run)

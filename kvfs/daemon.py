@@ -282,7 +282,7 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
     if front:
         if s.front_reads:
             shim.set_read_handler(asm.ops.front_read, asm.store.cs)
-            asm.store.ahead_server = shim
+            asm.store.through.serve(shim)
     log.info("mounted %s (DRAM %s in %s, NVMe %s in %s, chunk %s, fallocate %s)",
              s.mountpoint, format_size(s.dram_size), s.dram_dir, format_size(s.nvme_size),
              s.nvme_dir, format_size(asm.store.cs),

@@ -41,7 +41,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Protocol, TypeVar
 
@@ -82,7 +82,6 @@ from kvfs.store.meta import (
     u64,
 )
 from kvfs.store.nvme import (
-    BLOCK,
     HEADER_SIZE,
     NvmeFull,
     NvmeLog,
@@ -91,6 +90,7 @@ from kvfs.store.nvme import (
     record_length,
 )
 from kvfs.store.osutil import mapped_shared_writable
+from kvfs.store.readthrough import CHANGED, PROMOTE_SHARE, ReadThrough
 
 log = logging.getLogger(__name__)
 # Tests only: KVFS_TEST_FETCH_DELAY=SECONDS:PATH makes every NVMe read staging a chunk take
@@ -107,27 +107,10 @@ def _test_fetch_delay() -> None:
 INLINE_HASH_BYTES = 512 << 10
 # ... and from this much on, two worker threads hash a file's halves at once.
 PARALLEL_HASH_BYTES = 2 << 20
-# NVMe reads keep a clean DRAM copy while DRAM holds less than this share (no eviction for
-# a promotion: the demoter keeps room for writes below the high watermark).
-PROMOTE_SHARE = 0.9
 # A file opened for reading with chunks on NVMe only is staged whole in DRAM before the open
 # returns, so that the kernel reads it from there (passthrough), if it is at most this long:
 # the open then waits for all of it, which a reader of a KV block wants anyway.
 STAGE_FILE_MAX = 64 << 20
-# A reader of a file at least `read_through_min` long (an option) is not staged: its NVMe
-# chunks are read through the daemon, ahead of it into the daemon's memory (not the DRAM
-# tier), and promoted only when read again. Staging such a file costs fresh tmpfs pages and
-# a second copy for every byte, and the reader waits for all of it before its first byte;
-# reading through overlaps the disk with the copies to the reader.
-READ_AHEAD_BYTES = 8 << 20  # per sequential reader, in flight or ready (at least 2 chunks)
-# The read-ahead memory (RAM beyond the DRAM tier) is READ_AHEAD_READERS x READ_AHEAD_BYTES,
-# but at most half the DRAM tier's size (at least 2 chunks).
-READ_AHEAD_READERS = 4
-# A chunk read ahead on a prediction and not read within this long may make room for others.
-AHEAD_STALE_S = 2.0
-# Chunks of read-through files read once are remembered, up to this many DRAM tiers' worth:
-# a chunk read again meanwhile is reused, and is promoted into DRAM.
-READ_THROUGH_SEEN_SHARE = 2
 # Files open in passthrough mode cannot lose their DRAM copies; they may hold at most this
 # share of the tier, so that writes always find room to demote into.
 PASSTHROUGH_SHARE = 0.5
@@ -174,36 +157,11 @@ class StageWatch(Protocol):
         (*installed* False: the region is released right after this returns)."""
 
 
-class AheadServer(Protocol):
-    """Answers READs from chunks read ahead, without the trio thread (the shim's front
-    thread, kvfs._fuseshim): `ChunkStore.front_read` is told of each READ it answered."""
-
-    def ahead_offer(self, ino: int, chunk: int, data: bytes) -> bool:
-        """Answer READs within *data* (kept alive and unchanged by the caller) until
-        withdrawn or read to its end. False: not taken."""
-
-    def ahead_withdraw(self, ino: int, chunk: int) -> None:
-        """No more READs are answered from the chunk once this returns."""
-
-
 class _Mismatch(Exception):
     """A record's decoded bytes do not match its chunk's checksum (inside _read_record)."""
 
 
 T = TypeVar("T")
-
-
-@dataclass(eq=False)
-class _Ahead:
-    """A chunk read ahead of a sequential reader into the daemon's memory (read-through)."""
-    loc: Loc  # the location it was read from: used only while the chunk is still there
-    done: trio.Event = field(default_factory=trio.Event)
-    since: float = field(default_factory=time.monotonic)
-    data: bytes | memoryview | None = None  # verified bytes, None until done or if it failed
-    served: bool = False  # offered to the AheadServer (withdrawn before anything changes)
-    # The read buffer a raw record was read into (data is a view of it). It goes back to
-    # the store's pool when the chunk is dropped: nobody may use data after that.
-    buf: mmap.mmap | None = None
 
 
 @dataclass(eq=False)
@@ -331,24 +289,14 @@ class ChunkStore:
         # Their sizes as found at mount (a crash while they were written): the assembly
         # gives them to the namespace.
         self.recovered_sizes: dict[int, tuple[int, bool]] = {}  # ino -> (size, holes)
-        # Read-through (READ_AHEAD_BYTES): files at least this long (0: none) are read
-        # from NVMe through the daemon with read-ahead instead of being staged in DRAM.
-        self.read_through_min = read_through_min
         self.size_of: Callable[[int], int | None] = lambda ino: None  # set by the assembly
-        self.spawn: Callable | None = None  # starts a read-ahead task (the daemon's nursery)
-        self._ahead: dict[tuple[int, int], _Ahead] = {}  # oldest first
-        self._ahead_bytes = 0
-        self._ahead_max = max(2 * chunk_size,
-                              min(READ_AHEAD_READERS * READ_AHEAD_BYTES, dram_size // 2))
-        self._ahead_window = max(2, min(READ_AHEAD_BYTES, self._ahead_max) // chunk_size)
-        self._next_read: dict[int, int] = {}  # read-through file -> chunk its reader reads next
-        self._ahead_buffers: list[mmap.mmap] = []  # read buffers of dropped chunks, for reuse
-        # Answers READs from chunks read ahead without the trio thread (set by the daemon).
-        self.ahead_server: AheadServer | None = None
-        # Chunks of read-through files read once lately (oldest first): a second read
-        # promotes them (`_read_through_done`).
-        self._seen_through: dict[tuple[int, int], bool] = {}
-        self._seen_max = max(1024, READ_THROUGH_SEEN_SHARE * dram_size // chunk_size)
+        # Big NVMe-resident files are read through the daemon, with read-ahead.
+        self.through = ReadThrough(self, chunk_size=chunk_size, dram_size=dram_size,
+                                   read_through_min=read_through_min)
+        t = self.through
+        self.reads_through, self.start_read_through, self.read_ahead_predicted = (
+            t.reads, t.start, t.predicted)
+        self.front_read, self.end_read_through = t.front_read, t.end
         self._load()
 
     # -- startup ---------------------------------------------------------------------------
@@ -570,8 +518,7 @@ class ChunkStore:
         return loc._replace(flags=loc.flags & TAIL_LOST | SEALED)
 
     def close(self) -> None:
-        for key, ahead in list(self._ahead.items()):
-            self._drop_ahead(key, ahead)  # (withdrawn: no READ copies from them after this)
+        self.through.close()
         with self.meta.write() as txn:
             self.meta.set_counter(txn, b"next_seq", self.seq)
         self.dram.close()
@@ -620,9 +567,7 @@ class ChunkStore:
             self.reserved += self.reservation(ino) - reserved_before
 
     def _store_loc(self, txn, ino: int, c: int, loc: Loc | None) -> None:
-        ahead = self._ahead.get((ino, c)) if self._ahead else None
-        if ahead is not None and ahead.served:
-            self._withdraw(ino, c, ahead)  # before any change: its bytes may be old now
+        self.through.changing(ino, c)  # before any change: bytes read ahead may be old now
         if loc is None:
             txn.delete(key2(ino, c), db=self.meta.db["chunks"])
             self.index.pop(ino, c)
@@ -873,10 +818,9 @@ class ChunkStore:
             return b""
         cs = self.cs
         first, last = off // cs, (end - 1) // cs
-        through = self.reads_through(ino, file_size)
+        through = self.through.reads(ino, file_size)
         if through:
-            self._sequential_read(ino, first, last, self._nchunks(file_size))
-            self._next_read[ino] = end // cs
+            self.through.sequential(ino, first, last, self._nchunks(file_size), end // cs)
         if first == last:
             return await self._read_piece(ino, first, off - first * cs, end - off, verified,
                                           through)
@@ -945,24 +889,10 @@ class ChunkStore:
                 return _slice(view, 0, length)
             if (ino, c) in self._prefetching:
                 self.counters.prefetch_late += 1
-            ahead = self._ahead.get((ino, c)) if through else None
-            if ahead is not None and ahead.loc != loc:
-                self._drop_ahead((ino, c), ahead)  # read before the chunk changed
-                ahead = None
-            data = None
-            if ahead is not None:
-                await ahead.done.wait()
-                # (Dropped meanwhile, by another reader say: its buffer may be reused.)
-                data = ahead.data if self._ahead.get((ino, c)) is ahead else None
-                if data is not None and self.get(ino, c) != loc:
-                    continue  # the chunk changed meanwhile: start over
-                if start + length >= loc.raw_len or data is None:
-                    self._drop_ahead((ino, c), ahead)  # the reader is done with it, or failed
-                if data is not None:
-                    self.counters.read_ahead_used += start + length >= loc.raw_len
-                # else the read-ahead failed (or is gone): the ordinary fetch below reads it
-                # (and says why it failed: EIO).
-            if data is None:
+            data = await self.through.use((ino, c), loc, start, length) if through else None
+            if data is CHANGED:
+                continue  # the chunk changed meanwhile: start over
+            if data is None:  # (nothing read ahead, or it failed: this fetch says why, EIO)
                 data = await self.fetch(
                     ino, c, loc, stage=None if through else self.dram.capacity * PROMOTE_SHARE)
                 if data is None:
@@ -972,166 +902,8 @@ class ChunkStore:
             self.counters.chunks_from_nvme += 1
             self._record_latency(t0, self.counters.read_latency_nvme_us)
             if through and start + length >= loc.raw_len:
-                self._read_through_done(ino, c, loc, data)
+                self.through.done(ino, c, loc, data)
             return _slice(memoryview(data), start, length)
-
-    # -- read-through: NVMe chunks read ahead of a sequential reader, into memory ----------
-    def reads_through(self, ino: int, size: int | None = None) -> bool:
-        """Is this file read from NVMe through the daemon (read-ahead, no staging, no
-        promotion, no prefetch into DRAM)? Files of at least `read_through_min` bytes are."""
-        if not self.read_through_min:
-            return False
-        if size is None:
-            size = self.size_of(ino)
-        return size is not None and size >= self.read_through_min
-
-    def start_read_through(self, ino: int, size: int) -> None:
-        """A reader opened a read-through file: start reading its first chunks."""
-        self._sequential_read(ino, 0, 0, self._nchunks(size))
-
-    def _sequential_read(self, ino: int, c: int, last: int, nchunks: int) -> None:
-        """A read of chunks c..last of a read-through file: if it goes on where the last
-        read ended (or at the start), have them and READ_AHEAD_BYTES after them in flight or
-        ready, each chunk read by its own worker. A read elsewhere is a seek: its chunks are
-        read on demand, and nothing ahead of them."""
-        if self.spawn is None or (c and self._next_read.get(ino) != c
-                                  and (ino, c) not in self._ahead):
-            return
-        for n in range(c, min(last + 1 + self._ahead_window, nchunks)):
-            loc = self._ahead_candidate(ino, n)
-            if loc is None:
-                continue
-            if self._ahead_bytes + loc.raw_len > self._ahead_max and not self._evict_ahead(ino):
-                return
-            self._start_ahead((ino, n), loc)
-
-    def read_ahead_predicted(self, ino: int, c: int) -> None:
-        """Readahead predicts a read of chunk *c* of read-through file *ino* (the next file
-        of a write-order chain, say): read it ahead into memory, within half the read-ahead
-        memory (the rest is for the readers' own windows)."""
-        loc = self._ahead_candidate(ino, c) if self.spawn is not None else None
-        if loc is None:
-            return
-        if self._ahead_bytes + loc.raw_len > self._ahead_max // 2 and not self._evict_ahead(
-                ino, older_than=time.monotonic() - AHEAD_STALE_S):
-            return
-        self._start_ahead((ino, c), loc)
-
-    def _ahead_candidate(self, ino: int, c: int) -> Loc | None:
-        """The location of an NVMe-only chunk to read ahead, or None."""
-        key = (ino, c)
-        if key in self._ahead or key in self._fetching:
-            return None
-        loc = self.get(ino, c)
-        if loc is None or loc.dram_slot >= 0 or loc.flags & LOST:
-            return None
-        return loc
-
-    def _start_ahead(self, key: tuple[int, int], loc: Loc) -> None:
-        ahead = self._ahead[key] = _Ahead(loc)
-        self._ahead_bytes += loc.raw_len
-        self.counters.read_ahead += 1
-        self.spawn(self._background, "read-ahead", partial(self._read_ahead, key, ahead))
-
-    def _evict_ahead(self, ino: int, older_than: float | None = None) -> bool:
-        """Make room for one more read-ahead chunk of *ino* by dropping the oldest ready
-        chunk of another file (its reader went elsewhere, or is slower; a predicted read
-        only takes one that waited longer than AHEAD_STALE_S). False if none."""
-        for key, ahead in self._ahead.items():
-            if older_than is not None and ahead.since > older_than:
-                return False  # (oldest first: the rest are younger still)
-            if key[0] != ino and ahead.done.is_set():
-                self._drop_ahead(key, ahead)
-                return True
-        return False
-
-    async def _read_ahead(self, key: tuple[int, int], ahead: _Ahead) -> None:
-        if ahead.loc.codec == CODEC_RAW:  # read and kept in a buffer of its own: no copy
-            ahead.buf = (self._ahead_buffers.pop() if self._ahead_buffers
-                         else mmap.mmap(-1, self.cs + BLOCK))
-        try:
-            ahead.data = await self.fetch(key[0], key[1], ahead.loc, stage=None, into=ahead.buf)
-        except ChunkError:
-            ahead.data = None  # the reader's own fetch will report it
-        finally:
-            ahead.done.set()
-            if ahead.data is None:
-                self._drop_ahead(key, ahead)
-        now = self.get(*key)
-        if (self.ahead_server is not None and self._ahead.get(key) is ahead
-                and now is not None and now.seq == ahead.loc.seq):
-            ahead.served = self.ahead_server.ahead_offer(key[0], key[1], ahead.data)
-
-    def front_read(self, ino: int, off: int, size: int, file_size: int, us: int) -> None:
-        """The AheadServer answered a READ of *size* bytes at *off* of read-through file
-        *ino* from chunks read ahead, in *us* microseconds: what `read` would have done
-        besides the copy (more read-ahead, counters, the chunks read to their end)."""
-        cs = self.cs
-        first, last = off // cs, (off + size - 1) // cs
-        self._sequential_read(ino, first, last, self._nchunks(file_size))
-        self._next_read[ino] = (off + size) // cs
-        self.counters.front_reads += 1
-        for c in range(first, last + 1):
-            self.counters.chunks_from_nvme += 1
-            self._record_us(us, self.counters.read_latency_nvme_us)
-            ahead = self._ahead.get((ino, c))
-            if ahead is None or ahead.data is None:
-                continue
-            if min(off + size, (c + 1) * cs) - c * cs >= ahead.loc.raw_len:
-                ahead.served = False  # the front thread dropped it: read to its end
-                self.counters.read_ahead_used += 1
-                self._read_through_done(ino, c, ahead.loc, ahead.data)
-                self._drop_ahead((ino, c), ahead)
-
-    def _withdraw(self, ino: int, c: int, ahead: _Ahead) -> None:
-        ahead.served = False
-        self.ahead_server.ahead_withdraw(ino, c)
-
-    def _read_through_done(self, ino: int, c: int, loc: Loc, data) -> None:
-        """A reader has read a whole chunk of a read-through file. The second time that
-        happens while the chunk is remembered (the last READ_THROUGH_SEEN_SHARE x DRAM's
-        worth of such chunks), the chunk is reused: its bytes are copied into DRAM in the
-        background, if there is room without evicting anything (a promotion)."""
-        key = (ino, c)
-        if not self._seen_through.pop(key, False):
-            self._seen_through[key] = True
-            if len(self._seen_through) > self._seen_max:
-                del self._seen_through[next(iter(self._seen_through))]
-            return
-        if (self.spawn is not None and key not in self._fetching
-                and self.promotion_room(pages(loc.raw_len))):
-            self.spawn(self._background, "promotion of a reused chunk", partial(
-                self.fetch, ino, c, loc, stage=self.dram.capacity * PROMOTE_SHARE, raw=True,
-                want=False, have=bytes(data) if isinstance(data, memoryview) else data,
-                limiter=self.prefetch_limiter))
-
-    @staticmethod
-    async def _background(what: str, job: Callable) -> None:
-        """Run a task of the daemon's nursery that nobody waits for: a failure is logged,
-        never let out (it would end the daemon)."""
-        try:
-            await job()
-        except Exception:
-            log.exception("%s failed", what)
-
-    def _drop_ahead(self, key: tuple[int, int], ahead: _Ahead) -> None:
-        """Forget a chunk read ahead. Its bytes are gone after the caller's next await (its
-        buffer is reused): a reader still waiting for it must read the chunk itself."""
-        if ahead.served:
-            self._withdraw(*key, ahead)
-        if self._ahead.get(key) is ahead:
-            del self._ahead[key]
-            self._ahead_bytes -= ahead.loc.raw_len
-            if ahead.buf is not None and ahead.done.is_set():  # (else the read still uses it)
-                if len(self._ahead_buffers) < self._ahead_max // self.cs + 2:
-                    self._ahead_buffers.append(ahead.buf)
-                ahead.buf = None
-
-    def end_read_through(self, ino: int) -> None:
-        """The file's last handle is closed: what was read ahead for it goes."""
-        self._next_read.pop(ino, None)
-        for key in [k for k in self._ahead if k[0] == ino]:
-            self._drop_ahead(key, self._ahead[key])
 
     def _check_needed(self, ino: int, c: int, loc: Loc, consume: bool = True) -> bool:
         """Must a read hash this sealed DRAM copy before trusting it? `dram_verify=open`: yes,
@@ -1478,7 +1250,7 @@ class ChunkStore:
                 if (loc := self.get(ino, c)).dram_slot < 0]
         if not todo:
             return 0
-        if self.reads_through(ino, size):
+        if self.through.reads(ino, size):
             return -1
         need = sum(pages(loc.raw_len) for _, loc in todo)
         if (size > STAGE_FILE_MAX or any(loc.flags & LOST for _, loc in todo)
@@ -2432,7 +2204,7 @@ class ChunkStore:
         if ino in self.allocated:
             self._set_allocated(ino, 0)
         self.file_bytes.pop(ino, None)
-        self.end_read_through(ino)
+        self.through.end(ino)
         self.file_deleted(ino)
 
     # -- introspection -----------------------------------------------------------------------
