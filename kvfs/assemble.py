@@ -14,7 +14,7 @@ import trio
 from kvfs.collector import CycleCollector
 from kvfs.config import ConfigError, Settings
 from kvfs.control import Control
-from kvfs.faults import CrashPoints
+from kvfs.faults import Faults
 from kvfs.fs import Operations
 from kvfs.namespace import Namespace
 from kvfs.readahead import Readahead
@@ -36,6 +36,7 @@ WRITEBACK_AGE_S = 30.0
 class Assembly:
     def __init__(self, s: Settings, dram_open_files: int = OPEN_FILES) -> None:
         self.settings = s
+        self.faults = Faults(s.crash_at, s.fetch_delay)  # (tests only)
         self.meta = MetaStore(os.path.join(s.nvme_dir, "meta"), map_size=s.meta_size,
                               reserve=max(1 << 20, min(32 << 20, s.nvme_size // 32)))
         sb = self.meta.load_superblock()
@@ -54,7 +55,7 @@ class Assembly:
             codec=Codec(CodecPolicy(enabled=s.compress, verify=False)),
             io_threads=s.io_threads, policy=self.policy, dram_compress=s.dram_compress,
             dram_verify=s.dram_verify, read_through_min=s.read_through_min,
-            dram_open_files=dram_open_files, crash=CrashPoints(s.crash_at))
+            dram_open_files=dram_open_files, faults=self.faults)
         self.policy.pinned = lambda key: key[0] in self.store.dram.pins
         self.ns = Namespace(self.meta)
         for ino, (size, holes) in self.store.recovered_sizes.items():
@@ -71,7 +72,7 @@ class Assembly:
         extra.append(self.readahead.stats)
         self.control = Control(self.ns, self.store, s, self.readahead, extra)
         self.ops = Operations(self.ns, self.store, self.control, self.readahead,
-                              cache_mode=s.cache_mode, crash=CrashPoints(s.crash_at))
+                              cache_mode=s.cache_mode, faults=self.faults)
         self.store.revoke = self.ops.pt.revoke
         self.store.staged = self.ops.pt.staged
         self.store.stage_watch = self.ops.pt.stage_watch
@@ -106,7 +107,7 @@ class Assembly:
         self.store.stream_of = self.classifier.stream_of
         self.store.file_deleted = self.classifier.deleted
         self.store.nvme.stream_hints = dict(enumerate(self.streams.hints))
-        self.cleaner = Cleaner(self.store, self.streams)
+        self.cleaner = Cleaner(self.store, self.streams, faults=self.faults)
         self.store.cleaner = self.cleaner
         extra += [self.cleaner.stats, self.classifier.stats]
         self.store.high_water = int(s.dram_high_watermark * s.dram_size)

@@ -153,8 +153,10 @@ class Settings:
     # Most the metadata (lmdb) may grow to: ~100 bytes per chunk and per file. Only address
     # space until used.
     meta_size: str | int = "64G"
-    # Tests only: the daemon kills itself when it reaches this crash point (kvfs/faults.py).
+    # Tests only (kvfs/faults.py): the daemon kills itself at this crash point (POINT or
+    # POINT:N); NVMe stagings take SECONDS longer while PATH exists (SECONDS:PATH).
     crash_at: str = ""
+    fetch_delay: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 
     def resolve(self) -> Settings:

@@ -35,7 +35,7 @@ from functools import partial
 
 import pyfuse3
 
-from kvfs.faults import CrashPoints
+from kvfs.faults import Faults
 from kvfs.namespace import NAME_MAX, Inode, Namespace, NamespaceError
 from kvfs.passthrough import Passthrough
 from kvfs.store.chunkstore import ChunkError, ChunkStore, NoSpace
@@ -138,9 +138,9 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
 
     def __init__(self, ns: Namespace, store: ChunkStore, control, readahead, *,
-                 cache_mode: bool, evictor=None, crash: CrashPoints | None = None) -> None:
+                 cache_mode: bool, evictor=None, faults: Faults | None = None) -> None:
         super().__init__()
-        self.crash = crash or CrashPoints()
+        self.faults = faults or Faults()
         self.ns = ns
         self.store = store
         self.readahead = readahead
@@ -278,7 +278,7 @@ class Operations(pyfuse3.Operations):
 
         if fields.update_size and attr.st_size < node.size:
             await self.store.truncate(inode, node.size, attr.st_size, on_commit=apply)
-            self.crash.reached("truncated")
+            self.faults.reached("truncated")
         else:
             if fields.update_size and attr.st_size > node.size:
                 self.store.resized(inode, attr.st_size)
@@ -472,7 +472,7 @@ class Operations(pyfuse3.Operations):
             await self.pt.recorded(node)
             sized = self.pt.sized(node)
             await self.store.truncate(inode, node.size, 0, on_commit=lambda: sized(0, False))
-            self.crash.reached("truncated")
+            self.faults.reached("truncated")
         # Readahead hears of the open first: its predictions of what comes next start now,
         # not after this file's own staging from NVMe.
         self.readahead.opened(inode, flags, node.size, ctx.pid)

@@ -22,7 +22,7 @@ Concurrency protocol (all of this runs on the trio thread; see docs/DESIGN.md):
   region and returns results; the trio side then re-checks the chunk's `seq`. Every change of a
   chunk's bytes takes a new seq, so a result computed from bytes that changed meanwhile is
   recognised and thrown away (its NVMe record is marked dead). The one writer is an NVMe read
-  staging a chunk: it claims the region first, and until it is done (`_fetching`) writes and
+  staging a chunk: it claims the region first, and until it is done (`Fetches.pending`) writes and
   truncations of that chunk wait (before they change anything: the staged bytes may be read
   by a passthrough open before the fetch ends, see `stage_watch`).
 - A region or a record is released only after the location that replaces it is committed
@@ -37,21 +37,20 @@ import logging
 import math
 import mmap
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol, TypeVar
 
 import trio
 
 from kvfs._index import ChunkIndex
-from kvfs.faults import CrashPoints
+from kvfs.faults import Faults
 from kvfs.nursery import open_nursery
 from kvfs.store.codec import CODEC_RAW, Codec, CodecError
 from kvfs.store.dram import OPEN_FILES, DramFile, DramFiles, pages
 from kvfs.store.episode import Episode
+from kvfs.store.fetch import Fetches, StageWatch
 from kvfs.store.location import (
     HASH_RELEASES_GIL,
     HOLE,
@@ -80,26 +79,14 @@ from kvfs.store.meta import (
     u64,
 )
 from kvfs.store.nvme import (
-    HEADER_SIZE,
     NvmeLog,
     RecordError,
-    RecordHeader,
 )
 from kvfs.store.osutil import mapped_shared_writable
 from kvfs.store.readthrough import CHANGED, PROMOTE_SHARE, ReadThrough
 from kvfs.store.writeback import WriteBack
 
 log = logging.getLogger(__name__)
-# Tests only: KVFS_TEST_FETCH_DELAY=SECONDS:PATH makes every NVMe read staging a chunk take
-# SECONDS longer (in its worker thread) while PATH exists, so that tests can act while
-# fetches are in flight. Unset in normal use.
-_TEST_FETCH_DELAY = os.environ.get("KVFS_TEST_FETCH_DELAY", "").partition(":")[::2]
-
-
-def _test_fetch_delay() -> None:
-    if _TEST_FETCH_DELAY[1] and os.path.exists(_TEST_FETCH_DELAY[1]):
-        time.sleep(float(_TEST_FETCH_DELAY[0]))
-
 # Hashing this much inline (~30 us) is cheaper than a round trip to a worker thread.
 INLINE_HASH_BYTES = 512 << 10
 # ... and from this much on, two worker threads hash a file's halves at once.
@@ -135,25 +122,6 @@ class WritePlan:
     pieces: list[tuple[int, int, int, Loc | None]]
 
 
-class StageWatch(Protocol):
-    """Told how a prefetch's staging of a chunk goes (see `ChunkStore.stage_watch`)."""
-
-    def ready(self) -> None:
-        """Worker thread: the chunk's bytes are in its DRAM file, whole and checked, and
-        will become its DRAM copy unless `done(False)` comes."""
-
-    def done(self, installed: bool) -> None:
-        """The fetch is over: the staged bytes are the chunk's DRAM copy now, or not
-        (*installed* False: the region is released right after this returns)."""
-
-
-class _Mismatch(Exception):
-    """A record's decoded bytes do not match its chunk's checksum (inside _read_record)."""
-
-
-T = TypeVar("T")
-
-
 class ChunkStore:
     """Mechanism for moving chunk bytes between tiers; policy objects decide what to move."""
 
@@ -161,9 +129,9 @@ class ChunkStore:
                  dram_size: int, nvme_dir: str, nvme_size: int, segment_size: int,
                  codec: Codec, io_threads: int, policy, dram_compress: bool = False,
                  dram_verify: str = "once", read_through_min: int = 0,
-                 dram_open_files: int = OPEN_FILES, crash: CrashPoints | None = None) -> None:
+                 dram_open_files: int = OPEN_FILES, faults: Faults | None = None) -> None:
         self.meta = meta
-        self.crash = crash or CrashPoints()
+        self.faults = faults or Faults()
         self.cs = chunk_size
         self.codec = codec
         # Clean DRAM copies are kept packed (compressed) when that saves pages.
@@ -196,7 +164,6 @@ class ChunkStore:
         self.space_waiters = 0
         self._space = trio.Event()
         self.dram_pinned_full = Episode("DRAM tier full of files open in passthrough mode")
-        self._fetching: dict[tuple[int, int], trio.Event] = {}
         # A file's dtype hint and its directory (the namespace's; set by the assembly).
         self.codec_context: Callable[[int], tuple[str | None, int | None]] = (
             lambda ino: (None, None))
@@ -205,19 +172,10 @@ class ChunkStore:
         # Placement: which stream a file's records go to (issue 5 classifies; default one).
         self.stream_of: Callable[[int], int] = lambda ino: 0
         self.file_deleted: Callable[[int], None] = lambda ino: None  # lifetime learning
-        # Prefetch bookkeeping: chunks staged ahead of a read and not read yet, and in flight.
-        self.prefetched: set[tuple[int, int]] = set()
-        self._prefetching: set[tuple[int, int]] = set()
-        # ... and the ones in flight that a passthrough open counted as read already: their
-        # bytes were staged, and the open answered from them, before the fetch was over.
-        self._used_in_flight: set[tuple[int, int]] = set()
-        # Prefetch never takes the worker threads demand reads need.
-        self.prefetch_limiter = trio.CapacityLimiter(max(1, io_threads // 2))
         self.high_water = int(0.9 * dram_size)  # set by tiering; start demoting above it
         # Reads of DRAM copies land here: a read's reply is sent before any other task runs
         # (see `read`), so one buffer serves them all.
         self._scratch = bytearray(chunk_size)
-        self._buffers = threading.local()  # worker threads' own (`_thread_buffer`)
         # Files open in passthrough mode -> DRAM bytes they held when first opened.
         self._pinned: dict[int, int] = {}
         self.pinned_bytes = 0
@@ -248,6 +206,12 @@ class ChunkStore:
         # gives them to the namespace.
         self.recovered_sizes: dict[int, tuple[int, bool]] = {}  # ino -> (size, holes)
         self.size_of: Callable[[int], int | None] = lambda ino: None  # set by the assembly
+        # NVMe reads: demand reads, stagings, prefetches.
+        self.fetches = Fetches(self, chunk_size=chunk_size, io_threads=io_threads,
+                               faults=self.faults)
+        f = self.fetches
+        self.fetch, self.prefetch, self.prefetch_room = f.fetch, f.prefetch, f.prefetch_room
+        self.prefetch_limiter, self.prefetched = f.prefetch_limiter, f.prefetched
         # Big NVMe-resident files are read through the daemon, with read-ahead.
         self.through = ReadThrough(self, chunk_size=chunk_size, dram_size=dram_size,
                                    read_through_min=read_through_min)
@@ -417,7 +381,7 @@ class ChunkStore:
             if shadow.seg:
                 seg = self.nvme.pin(shadow.seg)
                 try:
-                    data = self._read_record(ino, c, shadow, seg, None)
+                    data = self.fetches.read_record(ino, c, shadow, seg, None)
                 finally:
                     self.nvme.unpin(seg)
                 self.dram.write(ino, c, 0, memoryview(data)[:length])
@@ -553,9 +517,7 @@ class ChunkStore:
                                                        new.dram_slot != old.dram_slot):
             self.policy.removed(key)
             self.dirty_since.pop(key, None)
-            if key in self.prefetched:
-                self.prefetched.discard(key)
-                self.counters.prefetch_wasted += 1
+            self.fetches.dropped(key)
             length = slot_len(old)
             self.meta.after_commit(lambda: self.dram.release(ino, c, length))
         if old is not None and old.seg and (new is None or (new.seg, new.off) !=
@@ -824,12 +786,11 @@ class ChunkStore:
                 raise ChunkError(f"inode {ino} chunk {c}: its bytes past {loc.raw_len} were "
                                  f"lost with DRAM")
             if loc.flags & PACKED:
-                data = await self._unpack(ino, c, loc)
+                data = await self.fetches.unpack(ino, c, loc)
                 if data is None:
                     continue  # the chunk changed while we decoded it: start over
                 self.policy.hit((ino, c))
-                if self.prefetched:
-                    self._prefetch_used((ino, c))
+                self.fetches.used((ino, c))
                 self.counters.chunks_from_dram += 1
                 self._record_latency(t0, self.counters.read_latency_dram_us)
                 return _slice(memoryview(data), start, length)
@@ -849,18 +810,17 @@ class ChunkStore:
                 if check and verified is not None:
                     verified.add((c, loc.seq))
                 self.policy.hit((ino, c))
-                if self.prefetched:
-                    self._prefetch_used((ino, c))
+                self.fetches.used((ino, c))
                 self.counters.chunks_from_dram += 1
                 self._record_latency(t0, self.counters.read_latency_dram_us)
                 return _slice(view, 0, length)
-            if (ino, c) in self._prefetching:
+            if self.fetches.late((ino, c)):
                 self.counters.prefetch_late += 1
             data = await self.through.use((ino, c), loc, start, length) if through else None
             if data is CHANGED:
                 continue  # the chunk changed meanwhile: start over
             if data is None:  # (nothing read ahead, or it failed: this fetch says why, EIO)
-                data = await self.fetch(
+                data = await self.fetches.fetch(
                     ino, c, loc, stage=None if through else self.dram.capacity * PROMOTE_SHARE)
                 if data is None:
                     continue  # the chunk changed while we read it: start over
@@ -887,39 +847,6 @@ class ChunkStore:
         if self.dram_verify == "once":
             self.dram.mark_checked(ino, c, loc.seq)
 
-    async def _unpack(self, ino: int, c: int, loc: Loc) -> bytes | None:
-        """Decode (and verify) a packed DRAM copy in a worker; None if the chunk changed
-        meanwhile. A region released and claimed again while the worker read it may have
-        given it other bytes: a failed check then means "changed", not "damaged"."""
-        claim = self.dram.claim_ids.get((ino, c))
-        held = self.dram.hold(ino)
-        try:
-            data = await trio.to_thread.run_sync(self._decode_packed, held, c, loc,
-                                                 limiter=self.limiter)
-        finally:
-            self.dram.drop(held)
-        now = self.get(ino, c)
-        if now != loc or self.dram.claim_ids.get((ino, c)) != claim:
-            return None
-        if isinstance(data, str):
-            self.counters.checksum_errors += 1
-            raise ChunkError(f"inode {ino} chunk {c}: packed DRAM copy: {data}")
-        self.counters.unpacked += 1
-        return data
-
-    def _decode_packed(self, held: DramFile, c: int, loc: Loc) -> bytes | str:
-        """Worker thread: the raw bytes of a packed DRAM copy, checked against its checksum,
-        or what is wrong with it."""
-        payload = bytearray(loc.stored_len)
-        self.dram.read_region(held.fd, c * self.cs, payload)
-        try:
-            data = self.codec.decode(loc.codec, payload, loc.raw_len)
-        except CodecError as exc:
-            return str(exc)
-        if len(data) != loc.raw_len or hash_bytes(data) != loc.checksum:
-            return "checksum mismatch in DRAM (packed)"
-        return data
-
     def _record_latency(self, t0: float, tier: list[int]) -> None:
         self._record_us(int((time.perf_counter() - t0) * 1e6), tier)
 
@@ -928,57 +855,6 @@ class ChunkStore:
         bucket = min(23, us.bit_length())
         self.counters.read_latency_us[bucket] += 1
         tier[bucket] += 1
-
-    def _prefetch_used(self, key: tuple[int, int]) -> None:
-        if key in self.prefetched:
-            self.prefetched.discard(key)
-            self.counters.prefetch_used += 1
-        elif key in self._prefetching:
-            self._used_in_flight.add(key)  # counted when the prefetch is over
-
-    async def prefetch(self, ino: int, c: int,
-                       make_room: Callable[[int], bool] | None = None) -> bool | None:
-        """Stage an NVMe-only chunk in DRAM ahead of its read. Returns None if nothing was
-        read (no such chunk, already in DRAM or in flight, or no room), True if the chunk
-        was read and staged, False if it was read but could not be staged.
-
-        Promotion takes DRAM only below the prefetch limit; *make_room(nbytes)* may free
-        some (synchronously, by dropping clean copies it chooses) when there is none. The
-        region is claimed before the read, so what prefetches hold counts against DRAM
-        while they run."""
-        key = (ino, c)
-        loc = self.get(ino, c)
-        if (loc is None or loc.dram_slot >= 0 or loc.flags & LOST or key in self._prefetching
-                or key in self._fetching):
-            return None
-        if not self._prefetch_room(pages(self.staged_len(loc)), make_room):
-            self.kick_demoter()
-            return None
-        self.counters.prefetch_issued += 1
-        self._prefetching.add(key)
-        try:
-            data = await self.fetch(ino, c, loc, stage=self.prefetch_limit,
-                                    limiter=self.prefetch_limiter, want=False, watch=True)
-        except ChunkError as exc:
-            log.warning("prefetch: %s", exc)
-            return False
-        finally:
-            self._prefetching.discard(key)
-            used = key in self._used_in_flight
-            self._used_in_flight.discard(key)
-        now = self.get(ino, c)
-        if data is None or now is None or now.seq != loc.seq or now.dram_slot < 0:
-            return False  # changed meanwhile, or no room when the read began
-        if used:
-            self.counters.prefetch_used += 1
-        else:
-            self.prefetched.add(key)
-        if not now.flags & PACKED:  # fetch checked the bytes it staged: the next read
-            self.dram.mark_checked(ino, c, now.seq)  # counts as checked (dram_verify=open)
-            self.staged(ino)
-        if self.dram_used > self.high_water:
-            self.kick_demoter()  # the demoter makes room in bulk, in eviction order
-        return True
 
     @property
     def dram_load(self) -> int:
@@ -991,196 +867,6 @@ class ChunkStore:
         evicting anything?"""
         cap = self.dram.capacity * PROMOTE_SHARE if limit is None else limit
         return self.dram_load + nbytes <= cap
-
-    @property
-    def prefetch_limit(self) -> float:
-        """Prefetches may fill half the room above the high watermark (writes keep the other
-        half while the demoter, kicked, makes room in bulk and in eviction order)."""
-        return max(self.dram.capacity * PROMOTE_SHARE, (self.high_water + self.dram.capacity) / 2)
-
-    def prefetch_room(self, nbytes: int) -> bool:
-        return self.promotion_room(nbytes, self.prefetch_limit)
-
-    def _prefetch_room(self, need: int, make_room: Callable[[int], bool] | None) -> bool:
-        if self.prefetch_room(need):
-            return True
-        return make_room is not None and make_room(need) and self.prefetch_room(need)
-
-    def packs(self, loc: Loc) -> bool:
-        """Would a clean DRAM copy of this NVMe chunk be kept packed (it saves pages)?"""
-        return (self.dram_compress and loc.codec != CODEC_RAW
-                and pages(loc.stored_len) < pages(loc.raw_len))
-
-    def staged_len(self, loc: Loc) -> int:
-        """Bytes of DRAM region a staged copy of this NVMe chunk takes."""
-        return loc.stored_len if self.packs(loc) else loc.raw_len
-
-    async def fetch(self, ino: int, c: int, loc: Loc, *, stage: float | None,
-                    limiter: trio.CapacityLimiter | None = None,
-                    raw: bool = False, want: bool = True,
-                    have: bytes | bytearray | None = None,
-                    watch: bool = False,
-                    into: mmap.mmap | None = None) -> bytes | memoryview | bool | None:
-        """Read an NVMe-only chunk (verified). If DRAM holds less than *stage* bytes, the
-        worker also writes the bytes into the chunk's region, which becomes its clean DRAM
-        copy (no eviction); with `dram_compress` (and not *raw*) it writes the record's
-        payload there instead, a packed copy. Returns the bytes (True instead unless *want*),
-        or None if the chunk changed meanwhile. Writes and truncations of the chunk wait
-        until this is over. *have*: the chunk's verified bytes, read before (read-ahead):
-        nothing is read, they are only staged. *watch*: ask `stage_watch` about a raw
-        staging. *into*: without staging, read a raw record into this buffer (of at least
-        chunk_size + BLOCK bytes) and return a view of it."""
-        key = (ino, c)
-        pending = self._fetching.get(key)
-        if pending is not None:
-            await pending.wait()
-            return None
-        now = self.get(ino, c)
-        if now is None or now.seq != loc.seq or now.dram_slot >= 0:
-            return None  # *loc* was read before an await: another fetch or a write came first
-        done = self._fetching[key] = trio.Event()
-        claimed = False
-        pack = have is None and not raw and self.packs(loc) and ino not in self.dram.pins
-        length = loc.stored_len if pack else loc.raw_len
-        filling = pages(length)
-        held = watcher = None
-        installed = False
-        try:
-            if stage is not None and self.promotion_room(filling, stage):
-                self.dram.claim(ino, c)
-                claimed = True
-                self.dram_filling += filling
-                held = self.dram.hold(ino)
-                if watch and not pack and have is None:
-                    watcher = self.stage_watch(ino, c, held.fd)
-            seg = self.nvme.pin(loc.seg)
-            try:
-                data, staged = await trio.to_thread.run_sync(
-                    self._read_to_dram, ino, c, loc, seg, held, pack, want, have,
-                    watcher.ready if watcher is not None else None, into,
-                    limiter=limiter or self.limiter)
-            finally:
-                self.nvme.unpin(seg)
-                if held is not None:
-                    self.dram.drop(held)
-            now = self.get(ino, c)
-            if now is None or now.seq != loc.seq:
-                return None
-            if claimed and now.dram_slot >= 0:  # cannot be: writes wait for this fetch
-                log.error("inode %d chunk %d: became resident during its fetch", ino, c)
-                self.dram_filling -= filling
-                self.dram.unclaim(ino)
-                claimed = False
-            if claimed and staged:
-                self.dram_filling -= filling
-                claimed = False  # the chunk owns the region now
-                new = now._replace(dram_slot=IN_DRAM,
-                                   flags=(now.flags | PACKED) if pack else now.flags)
-                with self.meta.write() as txn:
-                    self._replace(txn, ino, c, now, new)
-                installed = True
-                self.counters.promotions += 1
-                if not pack:
-                    self._mark_checked(ino, c, new)  # _read_record checked these bytes
-            return data if want else True
-        finally:
-            if watcher is not None:
-                watcher.done(installed)  # before the region is released, if it is
-            if claimed:
-                self.dram_filling -= filling
-                self.dram.release(ino, c, length)
-                self.dram.settle()
-            del self._fetching[key]
-            done.set()
-
-    def _read_to_dram(self, ino: int, c: int, loc: Loc, seg, held: DramFile | None,
-                      pack: bool, want: bool, have: bytes | bytearray | None = None,
-                      ready: Callable[[], None] | None = None, into: mmap.mmap | None = None
-                      ) -> tuple[bytes | memoryview | None, bool]:
-        """Worker thread: `_read_record` (unless the bytes are *have*), and if *held* (the
-        chunk's DRAM file, its region claimed) write the bytes (the payload if *pack*) into
-        the region. Returns the bytes
-        (None unless *want*) and whether the region was filled (False: not asked, or the
-        tmpfs is full). Bytes nobody wants go to the region straight from the read buffer
-        (a raw record) or from this thread's own buffer, warm in its cache, not from fresh
-        memory that each chunk would fault in again. *ready* is called once a raw
-        staging is done."""
-        def stage(data: bytes | memoryview) -> bool:
-            try:
-                ok = os.pwrite(held.fd, data, c * self.cs) == len(data)
-            except OSError as exc:
-                log.warning("DRAM tier: cannot stage a chunk (%s)", exc)
-                return False
-            if ok and ready is not None and not pack:
-                ready()
-            return ok
-
-        if have is not None:
-            return have, held is not None and stage(have)
-        if held is None:
-            return self._read_record(ino, c, loc, seg, None, into=into), False
-        _test_fetch_delay()
-        if pack:
-            payload = bytearray(loc.stored_len)
-            data = self._read_record(ino, c, loc, seg, None, payload_to=memoryview(payload))
-            return data, stage(payload)
-        if want:
-            data = self._read_record(ino, c, loc, seg, None)
-            return data, stage(data)
-        return None, self._read_record(ino, c, loc, seg, self._thread_buffer()[:loc.raw_len],
-                                       then=stage)
-
-    def _thread_buffer(self) -> memoryview:
-        """A chunk-sized buffer of the calling worker thread's own."""
-        buf = getattr(self._buffers, "chunk", None)
-        if buf is None:
-            buf = self._buffers.chunk = memoryview(bytearray(self.cs))
-        return buf
-
-    def _read_record(self, ino: int, c: int, loc: Loc, seg, target: memoryview | None,
-                     payload_to: memoryview | None = None,
-                     then: Callable[[memoryview], T] | None = None,
-                     into: mmap.mmap | None = None) -> bytes | memoryview | T:
-        """Worker thread: read, check, decode (into *target* if given) and verify one
-        record; its payload is also copied to *payload_to* if given (a packed copy). With
-        *then*, returns then(verified bytes), called while they may still be a view of the
-        read buffer (a raw record is not copied at all). *into*: read into this buffer; a
-        raw record's bytes are returned as a view of it (not copied)."""
-        def decode(h: RecordHeader, payload: memoryview) -> bytes | memoryview | T:
-            if (h.ino, h.chunk, h.seq) != (ino, c, loc.seq):
-                raise RecordError(f"found inode {h.ino} chunk {h.chunk} seq {h.seq} instead")
-            if h.raw_len != loc.raw_len:
-                raise RecordError(f"record holds {h.raw_len} bytes, expected {loc.raw_len}")
-            if payload_to is not None:
-                if len(payload) != len(payload_to) or h.codec != loc.codec:
-                    raise RecordError(f"payload of {len(payload)} bytes in codec {h.codec}, "
-                                      f"expected {len(payload_to)} in codec {loc.codec}")
-                payload_to[:] = payload
-            if (then is not None or into is not None) and h.codec == CODEC_RAW:
-                data = payload
-            elif target is None:
-                data = self.codec.decode(h.codec, payload, h.raw_len)
-            else:
-                self.codec.decode_into(h.codec, payload, h.raw_len, target)
-                data = target
-            if len(data) != loc.raw_len or hash_bytes(data) != loc.checksum:
-                raise _Mismatch
-            if then is not None:
-                return then(data)
-            if data is payload:  # (into): a view that outlives the read, unlike *payload*
-                return memoryview(into)[HEADER_SIZE:HEADER_SIZE + len(data)]
-            return data
-
-        try:
-            return self.nvme.read_record(seg, loc.off, loc.rec_len, decode, into=into)
-        except (RecordError, CodecError, OSError) as exc:
-            self.counters.checksum_errors += 1
-            raise ChunkError(f"inode {ino} chunk {c}: bad record in segment {loc.seg} at "
-                             f"{loc.off}: {exc}") from None
-        except _Mismatch:
-            self.counters.checksum_errors += 1
-            raise ChunkError(f"inode {ino} chunk {c}: checksum mismatch in segment "
-                             f"{loc.seg}") from None
 
     # -- passthrough: the kernel reads a file straight from its DRAM file -------------------
     async def passthrough_ready(self, ino: int, size: int) -> bool:
@@ -1226,11 +912,11 @@ class ChunkStore:
         t0 = time.perf_counter()
         # A chunk whose prefetch was already in flight is a (late) prefetch hit, as on the
         # daemon's read path; every other one is this open's NVMe read, whoever fetches it.
-        late = {c for c, _ in todo if (ino, c) in self._prefetching}
+        late = {c for c, _ in todo if self.fetches.late((ino, c))}
 
         async def stage(c: int, loc: Loc) -> None:
             try:
-                await self.fetch(ino, c, loc, stage=self.dram.capacity * PROMOTE_SHARE,
+                await self.fetches.fetch(ino, c, loc, stage=self.dram.capacity * PROMOTE_SHARE,
                                  raw=True, want=False)
             except ChunkError as exc:
                 log.warning("staging for an open: %s", exc)  # its read will say EIO
@@ -1268,7 +954,7 @@ class ChunkStore:
         for c in self.index.chunks_of(ino, self._nchunks(size)):
             loc = self.get(ino, c)
             if (loc.dram_slot < 0 or loc.flags & (PACKED | LOST | TAIL_LOST)
-                    or (ino, c) in self._fetching):
+                    or self.fetches.busy((ino, c))):
                 return None
             locs.append((c, loc))
         return locs
@@ -1293,8 +979,7 @@ class ChunkStore:
             if self.dram_verify == "open":
                 self.dram.forget(ino, c)  # a check counts for one open only
             self.policy.hit(key)
-            if self.prefetched or self._prefetching:
-                self._prefetch_used(key)
+            self.fetches.used(key)
         self.counters.chunks_from_dram += len(chunks) - from_nvme
         self.counters.passthrough_chunks += len(chunks)
         return self.dram.extend(ino, size)
@@ -1483,7 +1168,7 @@ class ChunkStore:
                 return pos - off
             pos = c * cs + stop
             if pos < end:
-                self.crash.reached("write.piece")
+                self.faults.reached("write.piece")
         return len(data)
 
     async def _write_piece(self, ino: int, c: int, start: int, piece: memoryview,
@@ -1491,7 +1176,7 @@ class ChunkStore:
         stop = start + len(piece)
         over = False  # may go over the DRAM tier's size (`_wait_dram`)
         while True:
-            pending = self._fetching.get((ino, c))
+            pending = self.fetches.pending((ino, c))
             if pending is not None:  # an NVMe read is filling the region: let it finish
                 await pending.wait()
                 continue
@@ -1543,7 +1228,7 @@ class ChunkStore:
             stop = min(cs, end - c * cs)
             loc = self.get(ino, c)
             if (loc is not None and loc.flags & (LOST | PACKED | TAIL_LOST)
-                    or (ino, c) in self._fetching):
+                    or self.fetches.busy((ino, c))):
                 return None
             if loc is None or loc.dram_slot < 0:
                 if start or (loc is not None and stop < loc.raw_len):
@@ -1641,7 +1326,7 @@ class ChunkStore:
         now = self.get(ino, c)
         if now is None or now.seq != loc.seq or now.dram_slot >= 0:
             return
-        await self.fetch(ino, c, now, stage=math.inf if over else float(self.dram.capacity),
+        await self.fetches.fetch(ino, c, now, stage=math.inf if over else float(self.dram.capacity),
                          raw=True, want=False)
 
     def _apply_write(self, ino: int, c: int, loc: Loc | None, start: int, piece: memoryview,
@@ -1865,7 +1550,7 @@ class ChunkStore:
     def _fetch_of(self, ino: int, start: int, stop: int) -> trio.Event | None:
         """The end of a fetch of one of *ino*'s chunks *start*..*stop*-1, if one is on."""
         for c in self.index.chunks_of(ino, stop):
-            if c >= start and (done := self._fetching.get((ino, c))) is not None:
+            if c >= start and (done := self.fetches.pending((ino, c))) is not None:
                 return done
         return None
 

@@ -41,11 +41,11 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
 import time
 
 import trio
 
+from kvfs.faults import Faults
 from kvfs.store.episode import Episode
 from kvfs.store.nvme import BLOCK, NvmeFull, RecordError, RecordHeader, Segment, record_length
 from kvfs.store.streams import HINT_NAMES, StreamTable, device_info
@@ -78,8 +78,9 @@ class _NoRoom(Exception):
 class Cleaner:
     def __init__(self, store, table: StreamTable | None = None, *,
                  rate: float = BACKGROUND_RATE, idle_rate: float = IDLE_RATE,
-                 idle_after: float = IDLE_AFTER) -> None:
+                 idle_after: float = IDLE_AFTER, faults: Faults | None = None) -> None:
         self.store = store
+        self.faults = faults or Faults()  # crash points gc.written/committed/moved/synced
         self.nvme = store.nvme
         self.table = table or StreamTable.make(2)
         self.nvme.gc_reserved = GC_RESERVED_SEGMENTS
@@ -103,7 +104,6 @@ class Cleaner:
         self._in_background = False
         self._device: dict | None = None
         self._open_seen: dict[int, tuple[int, int, int]] = {}
-        self._crash = _crash_point_from_env()
         self.no_room = Episode("NVMe tier cleaning")
 
     def kick(self) -> None:
@@ -250,10 +250,10 @@ class Cleaner:
                     moved_to[dst.seg_id] = dst
                 if mode != "urgent" and self.mode() != "urgent":
                     await self._pace(loc.rec_len, self.idle_rate if mode == "idle" else self.rate)
-            self._crash_point("moved")
+            self.faults.reached("gc.moved")
             if moved_to:
                 await self._make_durable(list(moved_to.values()))
-            self._crash_point("synced")
+            self.faults.reached("gc.synced")
         finally:
             self.cleaning = False
             self.nvme.unpin(seg)
@@ -297,10 +297,10 @@ class Cleaner:
         self.nvme.counters(stream).gc_bytes_in += rec_len
         self.nvme.counters(seg.stream).gc_bytes_out += rec_len
         self.bytes_moved += rec_len
-        self._crash_point("written")
+        self.faults.reached("gc.written")
         store.relocated(h.ino, h.chunk, loc, dst.seg_id, dst_off, rec_len)
         self.records_moved += 1
-        self._crash_point("committed")
+        self.faults.reached("gc.committed")
         return dst
 
     async def _make_durable(self, segs: list[Segment]) -> None:
@@ -328,8 +328,7 @@ class Cleaner:
 
     # -- politeness ------------------------------------------------------------------------
     def _demand_reads(self) -> int:
-        s = self.store
-        return len(s._fetching) - len(s._prefetching)
+        return self.store.fetches.demand_reads()
 
     async def _foreground_first(self, mode: str) -> None:
         limit = URGENT_FOREGROUND_WAIT if mode == "urgent" else FOREGROUND_WAIT
@@ -412,21 +411,3 @@ class Cleaner:
             },
             "streams": {self.table.name(i): p for i, p in per.items()},
         }
-
-    # -- fault injection (tests only) ------------------------------------------------------
-    def _crash_point(self, name: str) -> None:
-        if self._crash is not None and self._crash[0] == name:
-            self._crash[1] -= 1
-            if self._crash[1] <= 0:
-                log.warning("KVFS_TEST_GC_CRASH: killing the daemon at %r", name)
-                os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _crash_point_from_env() -> list | None:
-    """KVFS_TEST_GC_CRASH=POINT:N kills the daemon the Nth time a cleaning pass reaches POINT
-    (written, committed, moved, synced). For crash tests; unset in normal use."""
-    spec = os.environ.get("KVFS_TEST_GC_CRASH")
-    if not spec:
-        return None
-    name, _, n = spec.partition(":")
-    return [name, int(n or 1)]

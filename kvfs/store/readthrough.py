@@ -189,7 +189,7 @@ class ReadThrough:
     def _candidate(self, ino: int, c: int) -> Loc | None:
         """The location of an NVMe-only chunk to read ahead, or None."""
         key = (ino, c)
-        if key in self._ahead or key in self.store._fetching:
+        if key in self._ahead or self.store.fetches.busy(key):
             return None
         loc = self.store.get(ino, c)
         if loc is None or loc.dram_slot >= 0 or loc.flags & LOST:
@@ -219,7 +219,7 @@ class ReadThrough:
             ahead.buf = (self._ahead_buffers.pop() if self._ahead_buffers
                          else mmap.mmap(-1, self.cs + BLOCK))
         try:
-            ahead.data = await self.store.fetch(key[0], key[1], ahead.loc, stage=None,
+            ahead.data = await self.store.fetches.fetch(key[0], key[1], ahead.loc, stage=None,
                                                 into=ahead.buf)
         except ChunkError:
             ahead.data = None  # the reader's own fetch will report it
@@ -268,12 +268,13 @@ class ReadThrough:
                 del self._seen_through[next(iter(self._seen_through))]
             return
         store = self.store
-        if (self.spawn is not None and key not in store._fetching
+        if (self.spawn is not None and not store.fetches.busy(key)
                 and store.promotion_room(pages(loc.raw_len))):
             self.spawn(self._background, "promotion of a reused chunk", partial(
-                store.fetch, ino, c, loc, stage=store.dram.capacity * PROMOTE_SHARE, raw=True,
-                want=False, have=bytes(data) if isinstance(data, memoryview) else data,
-                limiter=store.prefetch_limiter))
+                store.fetches.fetch, ino, c, loc, stage=store.dram.capacity * PROMOTE_SHARE,
+                raw=True, want=False,
+                have=bytes(data) if isinstance(data, memoryview) else data,
+                limiter=store.fetches.prefetch_limiter))
 
     @staticmethod
     async def _background(what: str, job: Callable) -> None:

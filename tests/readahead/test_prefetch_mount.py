@@ -234,14 +234,13 @@ def test_a_prefetched_file_is_ready_for_the_front_thread_when_staged(mount_facto
 
 def test_an_open_during_a_prefetch_waits_for_its_staging_not_for_the_daemon(
         mount_factory, monkeypatch, tmp_path):
-    """With NVMe stagings slowed down (KVFS_TEST_FETCH_DELAY, a test hook), an open of a
+    """With NVMe stagings slowed down (-o fetch_delay, a test hook), an open of a
     file whose prefetch is in flight is parked in the front thread and answered when the
     worker has staged the file. A change of the file meanwhile (an O_TRUNC rewrite) hands
     the parked open to the daemon, which answers it around the change: the reader gets one
     whole version, or the new one as far as it is written."""
     slow = tmp_path / "slow"
-    monkeypatch.setenv("KVFS_TEST_FETCH_DELAY", f"0.5:{slow}")
-    m = mount_factory()
+    m = mount_factory(fetch_delay=f"0.5:{slow}")
     lead_in(m, "k")
     names = ["k0", "k1"]
     for i, name in enumerate(names):

@@ -125,10 +125,8 @@ def test_crash_at_each_step_of_a_cleaning_pass(mount_factory, monkeypatch, point
     but the victim not yet freed, after all of a victim's records moved but before they are
     synced, and after the sync but before the unlink: nothing is lost, nothing is corrupt."""
     m = mount_factory(start=False, **SMALL_NVME)
-    monkeypatch.setenv("KVFS_TEST_GC_CRASH", f"{point}:3")
-    m.start()
+    m.start(crash_at=f"gc.{point}:3")
     pid = m.pid()
-    monkeypatch.delenv("KVFS_TEST_GC_CRASH")
     live: dict[str, bytes] = {}
     uncertain: set[str] = set()
     assert _churn_until_crash(m, live, uncertain, 7), "the cleaner never reached " + point
@@ -140,7 +138,7 @@ def test_crash_at_each_step_of_a_cleaning_pass(mount_factory, monkeypatch, point
         time.sleep(0.02)
     else:
         raise AssertionError("the daemon did not die")
-    assert f"killing the daemon at '{point}'" in m.log()
+    assert f"crash point gc.{point} reached" in m.log()
     subprocess.run(["fusermount3", "-u", "-z", str(m.path)], capture_output=True)
     m.start()
     _verify(m, live)
@@ -463,12 +461,12 @@ def test_watermarks_and_pacing(harness, monkeypatch):
             await c._pace(64 << 10, 1 << 20)
         assert trio.current_time() - t0 >= 0.5
         # foreground first: a demand read in flight holds the cleaner back (bounded)
-        h.store._fetching[(999, 0)] = trio.Event()
+        h.store.fetches._fetching[(999, 0)] = trio.Event()
         t0 = trio.current_time()
         await c._foreground_first("background")
         waited = trio.current_time() - t0
         assert gcmod.FOREGROUND_WAIT * 0.9 <= waited < 1.0
-        del h.store._fetching[(999, 0)]
+        del h.store.fetches._fetching[(999, 0)]
 
     trio.run(main)
 

@@ -263,7 +263,7 @@ async def test_a_dram_file_missing_at_mount_costs_only_its_own_chunks(tiers, cap
 @pytest.mark.parametrize("point", ["written", "committed", "moved", "synced"])
 async def test_a_crash_at_each_step_of_a_cleaning_pass_loses_nothing(tiers, monkeypatch, point):
     """A segment is freed only after its live records are durable elsewhere: a crash at
-    any step of its cleaning leaves every file readable (KVFS_TEST_GC_CRASH)."""
+    any step of its cleaning leaves every file readable (crash points gc.*)."""
     files = {f"f{i}": os.urandom(200 << 10) for i in range(12)}
 
     async def clean(kv) -> None:
@@ -275,9 +275,7 @@ async def test_a_crash_at_each_step_of_a_cleaning_pass_loses_nothing(tiers, monk
         while await kv.asm.cleaner.clean_one("urgent"):
             pass
 
-    monkeypatch.setenv("KVFS_TEST_GC_CRASH", f"{point}:1")
-    assert not await tiers.crash(clean, prefetch=False)
-    monkeypatch.delenv("KVFS_TEST_GC_CRASH")
+    assert not await tiers.crash(clean, crash_at=f"gc.{point}", prefetch=False)
     for name in list(files)[::2]:
         del files[name]
     tiers.lose_dram()
