@@ -52,7 +52,7 @@ def check(nvme_dir: str, dram_dir: str, out=print) -> int:
 
 def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
     cs = sb["chunk_size"]
-    nvme = NvmeLog(nvme_dir, sb["uuid"], 1 << 62, sb["segment_size"])
+    nvme = NvmeLog(nvme_dir, sb["uuid"], 1 << 62, sb["segment_size"], read_only=True)
     dram = _dram_files(dram_dir, sb)
     codec = Codec()
     errors = 0

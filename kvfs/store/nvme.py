@@ -21,6 +21,7 @@ import errno
 import logging
 import mmap
 import os
+import re
 import struct
 import threading
 import time
@@ -43,6 +44,7 @@ SEGMENT_VERSION = 1
 HEADER = struct.Struct("<IHBBQQQIIQ12x")  # 60 bytes, then header_check u32
 HEADER_SIZE = 64
 SEGMENT_HEADER = struct.Struct("<IHBxI16sQ")
+SEGMENT_NAME = re.compile(r"seg-(\d{8})\.kvs")
 T = TypeVar("T")
 
 
@@ -145,7 +147,8 @@ class StreamCounters:
 class NvmeLog:
     """Segments, streams, appends and reads. Accounting of live bytes is driven by the store."""
 
-    def __init__(self, directory: str, fs_uuid: str, capacity: int, segment_size: int) -> None:
+    def __init__(self, directory: str, fs_uuid: str, capacity: int, segment_size: int, *,
+                 read_only: bool = False) -> None:
         self.directory = os.path.join(directory, "segments")
         os.makedirs(self.directory, exist_ok=True)
         self.fs_uuid = uuidlib.UUID(fs_uuid).bytes
@@ -163,17 +166,29 @@ class NvmeLog:
         self.streams: dict[int, StreamCounters] = {}
         self.on_new_segment = lambda: None  # the cleaner's kick: free space just shrank
         self.gc_reserved = 2  # segments only the cleaner may open
-        self._discover()
+        self._discover(read_only)
 
     # -- segments --------------------------------------------------------------------------
-    def _discover(self) -> None:
+    def _discover(self, read_only: bool) -> None:
         for name in sorted(os.listdir(self.directory)):
-            if not (name.startswith("seg-") and name.endswith(".kvs")):
+            m = SEGMENT_NAME.fullmatch(name)
+            if m is None:
                 continue
+            # A new segment never takes the name of a file that is there, whatever it holds
+            # (its creation would fail with EEXIST, and every write-back with it).
+            self.next_seg = max(self.next_seg, int(m.group(1)) + 1)
             path = os.path.join(self.directory, name)
             try:
                 with open(path, "rb") as f:  # buffered: O_DIRECT wants aligned buffers
                     head = f.read(SEGMENT_HEADER.size)
+                if not head:
+                    # Created, and the daemon stopped before it wrote the header block, which
+                    # comes before any record: the file never held anything.
+                    log.info("%s: an empty segment file left by a crash%s", path,
+                             "" if read_only else "; removed")
+                    if not read_only:
+                        os.unlink(path)
+                    continue
                 magic, version, stream, seg_id, fsid, _ = SEGMENT_HEADER.unpack(head)
             except (struct.error, OSError) as exc:
                 log.warning("ignoring unreadable segment file %s: %s", path, exc)

@@ -183,6 +183,35 @@ def test_segment_damaged_before_a_mount(kv, how):
     _expect(kv, {**files, **more}, _affected(how, records, off))
 
 
+@pytest.mark.parametrize("leftover", ["empty", "directory"])
+def test_a_segment_name_taken_at_mount_is_never_reused(kv, leftover):
+    """A crash between the creation of a segment file and its header's write leaves an empty
+    file; a name can also be taken by anything else. A new segment must not take that name:
+    its creation would fail with EEXIST, and every write-back and fsync with it."""
+    (kv.path / "a").write_bytes(os.urandom(3 << 20))
+    kv.unmount()
+    names = sorted((kv.nvme_dir / "segments").iterdir())
+    taken = _segment(kv, max(int(p.name[4:12]) for p in names) + 1)
+    if leftover == "empty":
+        taken.touch()
+    else:
+        taken.mkdir()
+    r = kv.fsck()
+    assert r.returncode == 0, r.stdout + r.stderr
+    if leftover == "empty":
+        assert r.stderr == ""  # what a crash leaves is no finding
+    kv.start()
+    data = os.urandom(3 << 20)
+    with open(kv.path / "b", "wb") as f:
+        f.write(data)
+        os.fsync(f.fileno())
+    kv.unmount()
+    assert taken.exists() == (leftover == "directory")  # an empty one is removed
+    kv.start()
+    assert (kv.path / "b").read_bytes() == data
+    _healthy(kv)
+
+
 @pytest.mark.parametrize("verify", ["once", "open"])
 def test_bit_flip_in_a_dirty_dram_chunk_while_mounted(mount_factory, verify):
     """A DRAM copy not yet written back, changed behind the daemon's back: with
