@@ -183,6 +183,27 @@ def test_segment_damaged_before_a_mount(kv, how):
     _expect(kv, {**files, **more}, _affected(how, records, off))
 
 
+def test_segment_replaced_by_a_directory_while_mounted(kv):
+    """The daemon reads on through the file it has open. When its records die and it
+    removes the segment, the path holds a directory: that is logged, and the unlink whose
+    commit let the segment go still succeeds (it used to fail with EISDIR after its
+    commit, the file gone but the kernel told it was not)."""
+    files, seg, _, off = _victim(kv)
+    _damage(kv, "directory", seg, off)
+    for name, data in files.items():
+        assert (kv.path / name).read_bytes() == data
+    for name in files:
+        os.unlink(kv.path / name)
+    assert not any(name in files for name in os.listdir(kv.path))
+    assert f"segment {seg} is no longer used but" in kv.log()
+    more = _fill(kv, "g", 40, 2 * CHUNK)
+    _healthy(kv)
+    kv.unmount()
+    kv.start()
+    for name, data in more.items():
+        assert (kv.path / name).read_bytes() == data
+
+
 @pytest.mark.parametrize("leftover", ["empty", "directory"])
 def test_a_segment_name_taken_at_mount_is_never_reused(kv, leftover):
     """A crash between the creation of a segment file and its header's write leaves an empty
