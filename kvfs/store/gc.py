@@ -102,6 +102,11 @@ class Cleaner:
         self._in_background = False
         self._device: dict | None = None
         self._open_seen: dict[int, tuple[int, int, int]] = {}
+        # Segments that a whole pass left with live records it could not move (one whose
+        # header no longer reads is not even found; its readers get EIO) -> their live
+        # bytes then. Cleaning such a segment again frees nothing, and in urgent mode it
+        # would be picked again at once, forever: it waits until its live bytes change.
+        self._stuck: dict[int, int] = {}
         self._crash = _crash_point_from_env()
 
     def kick(self) -> None:
@@ -149,7 +154,8 @@ class Cleaner:
         best, best_score = None, 0.0
         open_ids = {s.seg_id for s in self.nvme.open_segment.values()}
         for seg in self.nvme.segments.values():
-            if seg.seg_id in open_ids or seg.deleted or seg.hold:
+            if (seg.seg_id in open_ids or seg.deleted or seg.hold
+                    or self._stuck.get(seg.seg_id) == seg.live_bytes):
                 continue
             u = min(1.0, max(0, seg.live_bytes) / size)
             if u > max_u:
@@ -224,6 +230,7 @@ class Cleaner:
         self.nvme.pin(seg.seg_id)
         self.cleaning = True
         moved_to: dict[int, Segment] = {}
+        complete = False
         try:
             records = await trio.to_thread.run_sync(self.nvme.scan, seg.seg_id,
                                                     limiter=store.limiter)
@@ -243,6 +250,8 @@ class Cleaner:
                     moved_to[dst.seg_id] = dst
                 if mode != "urgent" and self.mode() != "urgent":
                     await self._pace(loc.rec_len, self.idle_rate if mode == "idle" else self.rate)
+            else:
+                complete = True
             self._crash_point("moved")
             if moved_to:
                 await self._make_durable(list(moved_to.values()))
@@ -255,6 +264,11 @@ class Cleaner:
         self.nvme._maybe_delete(seg)
         if seg.deleted:
             self.segments_cleaned += 1
+            self._stuck.pop(seg.seg_id, None)
+        elif complete and self._stuck.get(seg.seg_id) != seg.live_bytes:
+            log.error("cleaning segment %d: %d bytes of live records in it could not be "
+                      "moved (unreadable); left as they are", seg.seg_id, seg.live_bytes)
+            self._stuck[seg.seg_id] = seg.live_bytes
 
     async def _move(self, seg: Segment, off: int, h: RecordHeader, loc) -> Segment | None:
         """Copy one live record; returns the segment it went to (None: left in place)."""

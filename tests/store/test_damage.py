@@ -233,6 +233,25 @@ def test_a_segment_name_taken_at_mount_is_never_reused(kv, leftover):
     _healthy(kv)
 
 
+def test_cleaning_leaves_a_segment_it_cannot_empty(mount_factory):
+    """A live record whose header no longer reads is not found by the cleaner's scan, so its
+    segment never empties. The cleaner must not pick it again and again (it did: ~100
+    passes a second in urgent mode, forever); it logs it once and cleans others."""
+    m = mount_factory(nvme_size="24M")
+    files, seg, records, off = _victim(m)
+    _damage(m, "header", seg, off)
+    for name in files:  # all but the one whose record is damaged
+        if records.get((os.stat(m.path / name).st_ino, 0)) != off:
+            os.unlink(m.path / name)
+    _fill(m, "keep", 78, 4 * CHUNK)  # the tier nearly full: cleaning is urgent
+    _wait(lambda: "could not be moved" in m.log())
+    passes = sum(m.status()["gc"]["passes"].values())
+    time.sleep(1)
+    assert sum(m.status()["gc"]["passes"].values()) <= passes + 1
+    assert m.log().count(f"cleaning segment {seg}: ") == 1
+    _healthy(m)
+
+
 @pytest.mark.parametrize("verify", ["once", "open"])
 def test_bit_flip_in_a_dirty_dram_chunk_while_mounted(mount_factory, verify):
     """A DRAM copy not yet written back, changed behind the daemon's back: with
