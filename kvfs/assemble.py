@@ -14,6 +14,7 @@ import trio
 from kvfs.collector import CycleCollector
 from kvfs.config import ConfigError, Settings
 from kvfs.control import Control
+from kvfs.faults import CrashPoints
 from kvfs.fs import Operations
 from kvfs.namespace import Namespace
 from kvfs.readahead import Readahead
@@ -52,13 +53,13 @@ class Assembly:
             codec=Codec(CodecPolicy(enabled=s.compress, verify=False)),
             io_threads=s.io_threads, policy=self.policy, dram_compress=s.dram_compress,
             dram_verify=s.dram_verify, read_through_min=s.read_through_min,
-            dram_open_files=dram_open_files)
+            dram_open_files=dram_open_files, crash=CrashPoints(s.crash_at))
         self.policy.pinned = lambda key: key[0] in self.store.dram.pins
         self.ns = Namespace(self.meta)
-        for ino, size in self.store.recovered_sizes.items():
+        for ino, (size, holes) in self.store.recovered_sizes.items():
             inode = self.ns.inodes.get(ino)
             if inode is not None:  # a file written straight into DRAM when the daemon stopped
-                inode.size = size
+                inode.resize(size, holes=holes)
                 self.ns.save(inode)
         self.evictor = None
         extra = []
@@ -69,7 +70,7 @@ class Assembly:
         extra.append(self.readahead.stats)
         self.control = Control(self.ns, self.store, s, self.readahead, extra)
         self.ops = Operations(self.ns, self.store, self.control, self.readahead,
-                              cache_mode=s.cache_mode)
+                              cache_mode=s.cache_mode, crash=CrashPoints(s.crash_at))
         self.store.revoke = self.ops.revoke
         self.store.staged = self.ops.staged
         self.store.stage_watch = self.ops.stage_watch

@@ -150,6 +150,8 @@ class Settings:
     # NVMe placement streams (1-5): short, gc, long, medium, cold; see kvfs/store/streams.py.
     streams: int = 4
     log_file: str | None = None
+    # Tests only: the daemon kills itself when it reaches this crash point (kvfs/faults.py).
+    crash_at: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 
     def resolve(self) -> Settings:

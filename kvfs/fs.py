@@ -54,6 +54,7 @@ import trio
 import trio.testing
 
 from kvfs.config import FAST_OPEN_FILES_MAX
+from kvfs.faults import CrashPoints
 from kvfs.namespace import Inode, Namespace, NamespaceError
 from kvfs.store.chunkstore import ChunkError, ChunkStore, NoSpace
 from kvfs.tiering import StreamingPolicy
@@ -157,8 +158,9 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
 
     def __init__(self, ns: Namespace, store: ChunkStore, control, readahead, *,
-                 cache_mode: bool, evictor=None) -> None:
+                 cache_mode: bool, evictor=None, crash: CrashPoints | None = None) -> None:
         super().__init__()
+        self.crash = crash or CrashPoints()
         self.ns = ns
         self.store = store
         self.readahead = readahead
@@ -297,31 +299,39 @@ class Operations(pyfuse3.Operations):
     async def setattr(self, inode, attr, fields, fh, ctx):
         await self._taken(inode)
         node = self._current(self.ns.get(inode))
-        now = time.time_ns()
         if fields.update_size:
             self.revoke(inode)
             if not node.is_reg:
                 raise pyfuse3.FUSEError(errno.EISDIR if node.is_dir else errno.EINVAL)
             if attr.st_size > MAX_FILE_SIZE:
                 raise pyfuse3.FUSEError(errno.EFBIG)
-            if attr.st_size < node.size:
-                await self.store.truncate(inode, node.size, attr.st_size)
-            elif attr.st_size > node.size:
+
+        def apply() -> None:
+            """Every attribute asked for, saved in one commit (a truncation's own)."""
+            now = time.time_ns()
+            if fields.update_size:
+                node.resize(attr.st_size, holes=attr.st_size > node.size)
+                node.mtime_ns = now
+            if fields.update_mode:
+                node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode)
+            if fields.update_uid:
+                node.uid = attr.st_uid
+            if fields.update_gid:
+                node.gid = attr.st_gid
+            if fields.update_atime:
+                node.atime_ns = attr.st_atime_ns
+            if fields.update_mtime:
+                node.mtime_ns = attr.st_mtime_ns
+            node.ctime_ns = attr.st_ctime_ns if fields.update_ctime else now
+            self.ns.save(node)
+
+        if fields.update_size and attr.st_size < node.size:
+            await self.store.truncate(inode, node.size, attr.st_size, on_commit=apply)
+            self.crash.reached("truncated")
+        else:
+            if fields.update_size and attr.st_size > node.size:
                 self.store.resized(inode, attr.st_size)
-            node.size = attr.st_size
-            node.mtime_ns = now
-        if fields.update_mode:
-            node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode)
-        if fields.update_uid:
-            node.uid = attr.st_uid
-        if fields.update_gid:
-            node.gid = attr.st_gid
-        if fields.update_atime:
-            node.atime_ns = attr.st_atime_ns
-        if fields.update_mtime:
-            node.mtime_ns = attr.st_mtime_ns
-        node.ctime_ns = attr.st_ctime_ns if fields.update_ctime else now
-        self.ns.save(node)
+            apply()
         return self._attr(node)
 
     @_errors
@@ -680,10 +690,9 @@ class Operations(pyfuse3.Operations):
         if flags & os.O_TRUNC and node.size:
             # libfuse negotiates atomic O_TRUNC: the kernel leaves truncation to open().
             self.revoke(inode)
-            await self.store.truncate(inode, node.size, 0)
-            node.size = 0
-            node.mtime_ns = node.ctime_ns = time.time_ns()
-            self.ns.save(node)
+            sized = self._sized(node)
+            await self.store.truncate(inode, node.size, 0, on_commit=lambda: sized(0, False))
+            self.crash.reached("truncated")
         # Readahead hears of the open first: its predictions of what comes next start now,
         # not after this file's own staging from NVMe.
         self.readahead.opened(inode, flags, node.size, ctx.pid)
@@ -721,12 +730,13 @@ class Operations(pyfuse3.Operations):
         self.readahead.read(h.ino, off, size, h.pid)
         return await self.store.read(h.ino, off, size, node.size, h.verified)
 
-    def _grown(self, ino: int, end: int) -> Callable[[], None]:
-        """The inode update of a write ending at *end*; runs inside the write's commit."""
-        def grow_inode() -> None:
+    def _grown(self, ino: int, off: int) -> Callable[[int], None]:
+        """The inode update of a write at *off* whose bytes up to *end* are stored; runs
+        inside the commit that stores them. A write that starts past the end leaves a hole."""
+        def grow_inode(end: int) -> None:
             node = self.ns.get(ino)
             if end > node.size:
-                node.size = end
+                node.resize(end, holes=off > node.size)
             node.mtime_ns = node.ctime_ns = time.time_ns()
             self.ns.save(node)
 
@@ -740,10 +750,12 @@ class Operations(pyfuse3.Operations):
         if end > MAX_FILE_SIZE:
             raise pyfuse3.FUSEError(errno.EFBIG)
         self.revoke(h.ino)
-        grow_inode = self._grown(h.ino, end)
-        await self._space_retry(lambda: self.store.write(h.ino, off, buf, grow_inode), len(buf))
-        self._drop_capabilities(h.ino)
-        return len(buf)
+        grow_inode = self._grown(h.ino, off)
+        written = await self._space_retry(
+            lambda: self.store.write(h.ino, off, buf, grow_inode), len(buf))
+        if written:
+            self._drop_capabilities(h.ino)
+        return written
 
     def _drop_capabilities(self, ino: int) -> None:
         """A write drops the file's capabilities (security.capability), as on any local
@@ -773,7 +785,7 @@ class Operations(pyfuse3.Operations):
             plan = self.store.plan_write(h.ino, off, size)
             if plan is None:
                 return None
-            return (h, plan, off + size), self.store.write_fd(plan), ((off, size),)
+            return (h, plan, off), self.store.write_fd(plan), ((off, size),)
         except Exception:
             log.exception("write_plan failed")
             return None
@@ -781,13 +793,13 @@ class Operations(pyfuse3.Operations):
     def write_done(self, token, err: int) -> int:
         """The shim copied the planned bytes (err 0) or failed with errno *err*; returns the
         errno to answer (0: the write succeeded)."""
-        h, plan, end = token
+        h, plan, off = token
         try:
             if err:
                 self.store.abort_write(plan)
                 log.error("write: copying into DRAM failed: %s", os.strerror(err))
                 return err
-            self.store.finish_write(plan, self._grown(h.ino, end))
+            self.store.finish_write(plan, self._grown(h.ino, off))
             self._drop_capabilities(h.ino)
             return 0
         except Exception:
@@ -829,10 +841,11 @@ class Operations(pyfuse3.Operations):
         self.readahead.closed(h.ino, h.pid)
         return node
 
-    def _sized(self, node: Inode) -> Callable[[int], None]:
-        """The inode update of a take of what the kernel wrote: it is now *size* bytes."""
-        def sized(size: int) -> None:
-            node.size = size
+    def _sized(self, node: Inode) -> Callable[[int, bool], None]:
+        """The inode update of a take of what the kernel wrote, or of a truncation to
+        nothing: it is now *size* bytes (with *holes*, or none)."""
+        def sized(size: int, holes: bool) -> None:
+            node.resize(size, holes=holes)
             node.mtime_ns = node.ctime_ns = time.time_ns()
             self.ns.save(node)
 
@@ -1054,7 +1067,7 @@ class Operations(pyfuse3.Operations):
             self.store.allocate(ino, offset, length)
             if not mode & FALLOC_FL_KEEP_SIZE and end > node.size:
                 self.store.resized(ino, end)
-                node.size = end
+                node.resize(end, holes=True)  # reserved, not written: reads give zeros
                 node.mtime_ns = node.ctime_ns = time.time_ns()
                 self.ns.save(node)
             return 0

@@ -1,10 +1,12 @@
 """Offline consistency check of an unmounted kvfs (`fsck.kvfs`).
 
 Reads the metadata and verifies, for every chunk, that the copy it names exists and matches
-its checksum: NVMe records (header, identity, decode, xxh3) and DRAM copies (xxh3), read
-from the inode's DRAM file (format 3; a format 1-2 store's arena is checked by a mount,
-which moves it). Also checks
-that every directory entry names an existing inode and reports files holding lost chunks.
+its checksum: NVMe records (header, identity, decode, xxh3), the records kept as shadows
+(what an fsync made durable while newer bytes are only in DRAM), and DRAM copies (xxh3),
+read from the inode's DRAM file (format 3; a format 1-2 store's arena is checked by a
+mount, which moves it). Also checks that every directory entry names an existing inode,
+that every file's size and chunks agree (`size_problems`), and reports files holding lost
+chunks.
 Read-only: it repairs nothing, so it is always safe to run.
 Exit codes follow fsck(8): 0 clean, 4 errors found, 8 operational error.
 """
@@ -17,7 +19,8 @@ import os
 
 import xxhash
 
-from kvfs.store.chunkstore import _LOC, LOST, PACKED, SEALED
+from kvfs.namespace import DENSE, Inode
+from kvfs.store.chunkstore import _LOC, LOST, PACKED, SEALED, TAIL_LOST
 from kvfs.store.codec import Codec, CodecError
 from kvfs.store.meta import FormatError, MetaStore, from_key2, from_u64
 from kvfs.store.nvme import NvmeLog, RecordError
@@ -57,12 +60,32 @@ def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
     codec = Codec()
     errors = 0
     chunks = nvme_ok = dram_ok = lost = 0
-    inodes = {from_u64(k) for k, _ in meta.scan("inodes")}
+    inodes = {from_u64(k): Inode.unpack(from_u64(k), v) for k, v in meta.scan("inodes")}
+    extents: dict[int, list[tuple[int, int, int]]] = {}  # ino -> [(chunk, raw_len, flags)]
+
+    def check_record(where: str, seg: int, off: int, rec_len: int, ino: int, c: int, seq: int,
+                     raw_len: int, csum: int) -> bool:
+        if seg not in nvme.segments:
+            out(f"{where}: segment {seg} is missing")
+            return False
+        try:
+            h, payload = nvme.read_record(nvme.segments[seg], off, rec_len)
+            if (h.ino, h.chunk, h.seq) != (ino, c, seq):
+                raise RecordError("record belongs to another chunk")
+            data = codec.decode(h.codec, payload, h.raw_len)
+            if len(data) != raw_len or xxhash.xxh3_64_intdigest(data) != csum:
+                raise RecordError("checksum mismatch")
+            return True
+        except (RecordError, CodecError, OSError) as exc:
+            out(f"{where}: NVMe record in segment {seg} at {off}: {exc}")
+            return False
+
     for k, v in meta.scan("chunks"):
         ino, c = from_key2(k)
         dram_slot, seg, off, rec_len, raw_len, stored, codec_id, flags, csum, seq = \
             _LOC.unpack(v)
         chunks += 1
+        extents.setdefault(ino, []).append((c, raw_len, flags))
         where = f"inode {ino} chunk {c}"
         if ino not in inodes:
             out(f"{where}: belongs to no inode")
@@ -72,21 +95,10 @@ def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
             out(f"{where}: lost (its only copy was in DRAM when DRAM was lost)")
             continue
         if seg:
-            if seg not in nvme.segments:
-                out(f"{where}: segment {seg} is missing")
-                errors += 1
+            if check_record(where, seg, off, rec_len, ino, c, seq, raw_len, csum):
+                nvme_ok += 1
             else:
-                try:
-                    h, payload = nvme.read_record(nvme.segments[seg], off, rec_len)
-                    if (h.ino, h.chunk, h.seq) != (ino, c, seq):
-                        raise RecordError("record belongs to another chunk")
-                    data = codec.decode(h.codec, payload, h.raw_len)
-                    if len(data) != raw_len or xxhash.xxh3_64_intdigest(data) != csum:
-                        raise RecordError("checksum mismatch")
-                    nvme_ok += 1
-                except (RecordError, CodecError, OSError) as exc:
-                    out(f"{where}: NVMe record in segment {seg} at {off}: {exc}")
-                    errors += 1
+                errors += 1
         if dram_slot >= 0 and dram is not None and flags & SEALED:
             try:
                 with open(os.path.join(dram, f"{ino:x}"), "rb") as f:
@@ -103,14 +115,58 @@ def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
                 errors += 1
             else:
                 dram_ok += 1
+    shadows = 0
+    for k, v in meta.scan("shadows"):
+        ino, c = from_key2(k)
+        _, seg, off, rec_len, raw_len, _, _, _, csum, seq = _LOC.unpack(v)
+        if check_record(f"inode {ino} chunk {c} (shadow)", seg, off, rec_len, ino, c, seq,
+                        raw_len, csum):
+            shadows += 1
+        else:
+            errors += 1
     for k, v in meta.scan("dirents"):
         if from_u64(v) not in inodes:
             out(f"directory {from_u64(k[:8])} entry {k[8:]!r}: names a missing inode")
             errors += 1
+    for ino, inode in inodes.items():
+        if not inode.is_reg:
+            continue
+        for problem in size_problems(inode.size, cs, bool(inode.flags & DENSE),
+                                     extents.get(ino, [])):
+            out(f"inode {ino} ({inode.size} bytes): {problem}")
+            errors += 1
     nvme.close()
-    out(f"{chunks} chunks: {nvme_ok} NVMe records and {dram_ok} DRAM copies verified, "
-        f"{lost} lost, {errors} errors")
+    out(f"{chunks} chunks: {nvme_ok} NVMe records, {shadows} shadow records and {dram_ok} "
+        f"DRAM copies verified, {lost} lost, {errors} errors")
     return 4 if errors else 0
+
+
+def size_problems(size: int, chunk_size: int, dense: bool,
+                  chunks: list[tuple[int, int, int]]) -> list[str]:
+    """How a file's *size* and its *chunks* [(chunk, raw_len, flags)] disagree, if they do.
+    No chunk may hold bytes past the size (a file grown later must read zeros there). A
+    *dense* file (no hole was ever made in it, kvfs.namespace.DENSE) must have every chunk
+    below its size, each full but the last, which reaches the size: a missing one would
+    read as zeros nobody wrote (a crash mid-truncation left such files before format 4).
+    A chunk whose tail was lost with DRAM (TAIL_LOST) counts as reaching its end: those
+    bytes read as EIO."""
+    n = -(-size // chunk_size)
+    out = []
+    past = [c for c, _, _ in chunks if c >= n]
+    if past:
+        out.append(f"{len(past)} chunk(s) past its end (first: chunk {past[0]})")
+    have = {c: (raw_len, flags) for c, raw_len, flags in chunks if c < n}
+    if n and n - 1 in have and have[n - 1][0] > size - (n - 1) * chunk_size:
+        out.append(f"chunk {n - 1} holds {have[n - 1][0] - (size - (n - 1) * chunk_size)} "
+                   f"bytes past its end")
+    if dense:
+        gaps = [c for c in range(n) if c not in have or (
+            have[c][0] < min(chunk_size, size - c * chunk_size) and not have[c][1] & TAIL_LOST)]
+        if gaps:
+            out.append(f"{len(gaps)} chunk(s) below its size missing or short (first: chunk "
+                       f"{gaps[0]}), in a file that never had a hole: they would read as "
+                       f"zeros")
+    return out
 
 
 def _dram_files(dram_dir: str, sb: dict) -> str | None:

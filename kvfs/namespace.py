@@ -20,6 +20,12 @@ ROOT_INODE = 1
 NAME_MAX = 255
 # mode, nlink, uid, gid, rdev, size, atime_ns, mtime_ns, ctime_ns, flags
 _INODE = struct.Struct("<IIIIQQqqqQ")
+# Inode flag (format 4): the regular file has no hole, every byte below its size was written
+# (a create or a truncation to nothing sets it; anything that makes a hole clears it: a write
+# past the end, growth by truncate or fallocate, a take of a DRAM file with holes). fsck
+# checks that such a file has every chunk (a missing one would read as zeros nobody wrote);
+# files written before format 4 never have it.
+DENSE = 1
 
 
 class NamespaceError(Exception):
@@ -62,6 +68,14 @@ class Inode:
     @property
     def is_reg(self) -> bool:
         return stat.S_ISREG(self.mode)
+
+    def resize(self, size: int, *, holes: bool) -> None:
+        """The file is now *size* bytes; *holes*: and the change may have made a hole."""
+        if holes:
+            self.flags &= ~DENSE
+        if size == 0:
+            self.flags |= DENSE  # an empty file has none
+        self.size = size
 
 
 def check_name(name: bytes) -> None:
@@ -249,7 +263,8 @@ class Namespace:
         is_dir = stat.S_ISDIR(mode)
         inode = Inode(ino, mode, nlink=2 if is_dir else 1, uid=uid, gid=gid, rdev=rdev,
                       atime_ns=now, mtime_ns=now, ctime_ns=now,
-                      size=len(target) if target is not None else 0)
+                      size=len(target) if target is not None else 0,
+                      flags=DENSE if stat.S_ISREG(mode) else 0)
         with self.meta.write() as txn:
             self._put(txn, inode)
             txn.put(u64(parent) + name, u64(ino), db=self.meta.db["dirents"])

@@ -50,11 +50,12 @@ import xxhash
 
 from kvfs import _digest
 from kvfs._index import ChunkIndex
+from kvfs.faults import CrashPoints
 from kvfs.nursery import open_nursery
 from kvfs.store.choices import ChoiceMemory
 from kvfs.store.codec import CODEC_RAW, Codec, CodecError
 from kvfs.store.dram import OPEN_FILES, DramFile, DramFiles, pages
-from kvfs.store.meta import MetaStore, from_key2, from_u64, key2, u64
+from kvfs.store.meta import FORMAT_VERSION, MetaStore, from_key2, from_u64, key2, u64
 from kvfs.store.nvme import (
     BLOCK,
     HEADER_SIZE,
@@ -285,8 +286,9 @@ class ChunkStore:
                  dram_size: int, nvme_dir: str, nvme_size: int, segment_size: int,
                  codec: Codec, io_threads: int, policy, dram_compress: bool = False,
                  dram_verify: str = "once", read_through_min: int = 0,
-                 dram_open_files: int = OPEN_FILES) -> None:
+                 dram_open_files: int = OPEN_FILES, crash: CrashPoints | None = None) -> None:
         self.meta = meta
+        self.crash = crash or CrashPoints()
         self.cs = chunk_size
         self.codec = codec
         # Clean DRAM copies are kept packed (compressed) when that saves pages.
@@ -374,7 +376,7 @@ class ChunkStore:
         self._taking: dict[int, trio.Event] = {}
         # Their sizes as found at mount (a crash while they were written): the assembly
         # gives them to the namespace.
-        self.recovered_sizes: dict[int, int] = {}
+        self.recovered_sizes: dict[int, tuple[int, bool]] = {}  # ino -> (size, holes)
         # Read-through (READ_AHEAD_BYTES): files at least this long (0: none) are read
         # from NVMe through the daemon with read-ahead instead of being staged in DRAM.
         self.read_through_min = read_through_min
@@ -458,13 +460,13 @@ class ChunkStore:
                 self.nvme.segments[loc.seg].live_bytes += loc.rec_len
         for ino in sorted(restream):
             self._restream(ino, owned, fixes)
-        stale_shadows = self._load_shadows(fixes)
+        stale_shadows = self._load_shadows(fixes, owned)
         self.reserved = sum(self.reservation(ino) for ino in self.allocated)
         self.dram.adopt(owned)
         # Chunks caught mid-write by a crash were never sealed: seal what is there now.
         with self.meta.write() as txn:
             # With the fixes: a migrated store must never be migrated again (slots are gone).
-            self.meta.set_format(txn, 3)
+            self.meta.set_format(txn, FORMAT_VERSION)
             txn.drop(self.meta.db["writers"], delete=False)
             for ino, c, loc in fixes:
                 self._store_loc(txn, ino, c, loc)
@@ -483,7 +485,8 @@ class ChunkStore:
         for seg in list(self.nvme.segments.values()):
             self.nvme._maybe_delete(seg)
 
-    def _load_shadows(self, fixes) -> list[tuple[int, int]]:
+    def _load_shadows(self, fixes, owned: dict[int, list[tuple[int, int]]]
+                      ) -> list[tuple[int, int]]:
         """At mount: keep the shadows of chunks still dirty in DRAM; a chunk whose only copy
         was lost with DRAM goes back to its shadow (the bytes last written back, which an
         fsync may have promised). Returns the keys of shadows that are no more."""
@@ -504,12 +507,39 @@ class ChunkStore:
             log.warning("inode %d chunk %d: back to the bytes last written back (the newer "
                         "ones were only in DRAM, which is gone)", *key)
             if now.raw_len > shadow.raw_len:  # what was written past them is lost: EIO
-                shadow = shadow._replace(flags=shadow.flags | TAIL_LOST)
-            self.index.set(*key, tuple(shadow))
-            self._account(key[0], now, shadow)
-            fixes.append((*key, shadow))
+                back = shadow._replace(flags=shadow.flags | TAIL_LOST)
+            elif now.raw_len < shadow.raw_len:  # truncated since: only its start is the file's
+                back = self._shadow_start(*key, shadow, now.raw_len)
+                self.nvme.segments[shadow.seg].live_bytes -= shadow.rec_len
+                if back.dram_slot >= 0:
+                    owned.setdefault(key[0], []).append((key[1], back.raw_len))
+                    self.policy.inserted(key)
+                    self.dirty_since[key] = time.monotonic()
+            else:
+                back = shadow
+            self.index.set(*key, tuple(back))
+            self._account(key[0], now, back)
+            fixes.append((*key, back))
             stale.append(key)
         return stale
+
+    def _shadow_start(self, ino: int, c: int, shadow: Loc, length: int) -> Loc:
+        """At mount, with DRAM lost: a chunk cut to *length* bytes after its last write-back
+        goes back to the first *length* bytes of that record (*shadow*), which are copied
+        into its region (a new DRAM file: the old ones are gone), dirty. The record's bytes
+        past *length* must not come back: a file grown later reads zeros there. If the
+        record cannot be read, the chunk is lost (EIO)."""
+        try:
+            seg = self.nvme.pin(shadow.seg)
+            try:
+                data = self._read_record(ino, c, shadow, seg, None)
+            finally:
+                self.nvme.unpin(seg)
+            self.dram.write(ino, c, 0, memoryview(data)[:length])
+        except (ChunkError, RecordError, OSError) as exc:
+            log.error("inode %d chunk %d: lost (%s)", ino, c, exc)
+            return Loc(-1, 0, 0, 0, length, 0, CODEC_RAW, LOST, 0, self._next_seq())
+        return Loc(IN_DRAM, 0, 0, 0, length, 0, CODEC_RAW, 0, 0, self._next_seq())
 
     def _restream(self, ino: int, owned: dict[int, list[tuple[int, int]]], fixes) -> None:
         """At mount: a file the kernel was writing (passthrough) takes what its DRAM file
@@ -520,8 +550,9 @@ class ChunkStore:
                       "is gone: what was written to it since its last fsync is lost", ino)
             return
         size = self.dram.size(ino)
-        self.recovered_sizes[ino] = size
-        for c in self.dram.data_chunks(ino):
+        data = self.dram.data_chunks(ino)
+        self.recovered_sizes[ino] = size, len(data) < self._nchunks(size)
+        for c in data:
             loc = Loc(IN_DRAM, 0, 0, 0, min(self.cs, size - c * self.cs), 0, CODEC_RAW, 0, 0,
                       self._next_seq())
             fixes.append((ino, c, loc))
@@ -1563,7 +1594,7 @@ class ChunkStore:
         return self.dram.ram(ino)
 
     async def take_stream(self, ino: int, *, done: bool,
-                          on_commit: Callable[[int], None] | None = None) -> int:
+                          on_commit: Callable[[int, bool], None] | None = None) -> int:
         """Take what the kernel wrote into *ino*'s DRAM file as the file's chunks (at an
         fsync, or *done*: its last writer closed, and it is an ordinary file again). A chunk
         whose bytes are still those of its sealed location (taken and written back by an
@@ -1571,7 +1602,8 @@ class ChunkStore:
         stays so. Any other chunk holding data becomes a dirty DRAM copy (new seq), sealed
         if *done*; at an fsync the writers may still be changing it, so it is left for the
         writeback to checksum what it reads. Chunks that are holes go. Returns the size;
-        *on_commit(size)* runs inside the commit (the caller's inode update rides along)."""
+        *on_commit(size, holes)* runs inside the commit (the caller's inode update rides
+        along; *holes*: some chunk below the size holds no data)."""
         while (busy := self._taking.get(ino)) is not None:  # one take at a time per file
             await busy.wait()
         self._taking[ino] = trio.Event()
@@ -1607,7 +1639,7 @@ class ChunkStore:
             if done:
                 txn.delete(u64(ino), db=self.meta.db["writers"])
             if on_commit is not None:
-                on_commit(size)
+                on_commit(size, len(data) < self._nchunks(size))
         if done:
             self._stream_ended(ino)
         if self.dram_load > self.high_water:
@@ -1654,9 +1686,13 @@ class ChunkStore:
 
     # -- write -----------------------------------------------------------------------------
     async def write(self, ino: int, off: int, data: bytes,
-                    on_commit: Callable[[], None] | None = None) -> None:
-        """Store *data* at *off*. *on_commit* runs inside the transaction that commits the
-        last piece (the caller's inode update rides along: one commit per write)."""
+                    on_commit: Callable[[int], None] | None = None) -> int:
+        """Store *data* at *off*; returns the bytes stored: all of them, or, when a piece
+        after the first fails, those before it (a short write, as POSIX has it). Each piece
+        (the part in one chunk) is its own commit, and *on_commit(end)* runs inside it,
+        *end* being where the bytes stored so far end: the caller's inode update rides
+        along, so that neither a crash nor a failure part way leaves a chunk holding bytes
+        past the file's size (a file grown later must read zeros there)."""
         cs = self.cs
         pos, end = off, off + len(data)
         mv = memoryview(data)
@@ -1664,13 +1700,20 @@ class ChunkStore:
             c = pos // cs
             start = pos - c * cs
             stop = min(cs, end - c * cs)
-            last = c * cs + stop >= end
-            await self._write_piece(ino, c, start, mv[pos - off:pos - off + stop - start],
-                                    on_commit if last else None)
+            try:
+                await self._write_piece(ino, c, start, mv[pos - off:pos - off + stop - start],
+                                        None if on_commit is None else
+                                        partial(on_commit, c * cs + stop))
+            except Exception:
+                if pos == off:
+                    raise
+                log.warning("inode %d: a write stopped at %d of %d bytes (a short write)",
+                            ino, pos - off, len(data))
+                return pos - off
             pos = c * cs + stop
-        if not data and on_commit is not None:
-            with self.meta.write():
-                on_commit()
+            if pos < end:
+                self.crash.reached("write.piece")
+        return len(data)
 
     async def _write_piece(self, ino: int, c: int, start: int, piece: memoryview,
                            on_commit: Callable[[], None] | None = None) -> None:
@@ -1766,8 +1809,9 @@ class ChunkStore:
         """The file descriptor a planned write's bytes go to, at their own file offsets."""
         return self.dram.fd(plan.ino)
 
-    def finish_write(self, plan: WritePlan, on_commit: Callable[[], None] | None) -> None:
-        """The planned bytes are in their regions: commit them (one transaction)."""
+    def finish_write(self, plan: WritePlan, on_commit: Callable[[int], None] | None) -> None:
+        """The planned bytes are in their regions: commit them (one transaction, in which
+        *on_commit(end)* runs, *end* being where they end)."""
         if any(self.get(plan.ino, c) != loc for c, _, _, loc in plan.pieces):
             self.abort_write(plan)  # cannot happen: nothing runs between plan and finish
             raise RuntimeError(f"inode {plan.ino}: chunks changed during a write")
@@ -1777,7 +1821,8 @@ class ChunkStore:
                 length = max(loc.raw_len, stop) if in_place else stop
                 self._replace(txn, plan.ino, c, loc, self._dram_loc(length))
             if on_commit is not None:
-                on_commit()
+                c, _, stop, _ = plan.pieces[-1]
+                on_commit(c * self.cs + stop)
         self.counters.direct_writes += 1
         if self.dram_load > self.high_water:
             self.kick_demoter()
@@ -2192,28 +2237,49 @@ class ChunkStore:
             limiter.release()
 
     # -- truncate / delete -----------------------------------------------------------------
-    async def truncate(self, ino: int, old_size: int, new_size: int) -> None:
+    async def truncate(self, ino: int, old_size: int, new_size: int,
+                       on_commit: Callable[[], None] | None = None) -> None:
         """The file shrinks to *new_size*: chunks past it go, the last one is cut, and the
-        DRAM file is cut to match. (Growing needs nothing: holes read as zeros.)"""
-        if self.allocated.get(ino, 0) > pages(new_size):
-            self._set_allocated(ino, pages(new_size))  # space past the new end is released
-        if new_size >= old_size:
-            return
+        DRAM file is cut to match. All of it is one commit, and *on_commit* runs inside it
+        (the caller's inode update: the new size rides along), so a crash leaves the file
+        as it was or truncated, never at its old size with its chunks gone (read as zeros).
+        Only what must come first awaits, before that commit: NVMe reads staging chunks
+        that go must end (a passthrough open may read a staged region before its fetch
+        ends, see kvfs.fs stage_watch), and the chunk that is cut must be in DRAM, raw."""
         cs = self.cs
         keep = self._nchunks(new_size)
-        # NVMe reads staging chunks that go must end first, as the chunks' DRAM copies: a
-        # passthrough open may read a staged region before its fetch ends (kvfs.fs,
-        # stage_watch), so the region must not be released under it before the file is cut.
-        # And cutting the DRAM file is then the last word on its length.
-        while (pending := self._fetch_of(ino, keep, self._nchunks(old_size))) is not None:
-            await pending.wait()
+        cut = new_size - (keep - 1) * cs if new_size else 0
+        last = keep - 1 if 0 < cut < cs else None  # the chunk that is cut, if any
+        while True:  # until nothing is left to wait for (each await lets others in)
+            end = max(old_size, self.size_of(ino) or 0)  # a write may have grown it meanwhile
+            pending = self._fetch_of(ino, keep if last is None else last, self._nchunks(end))
+            if pending is not None:
+                await pending.wait()
+                continue
+            loc = self.get(ino, last) if last is not None else None
+            if loc is not None and loc.raw_len > cut and not loc.flags & LOST:
+                if loc.flags & PACKED:
+                    self.drop_dram_copy((ino, last))
+                    continue
+                if loc.dram_slot < 0:
+                    await self._make_resident(ino, last, loc)
+                    continue
+            break
         with self.meta.write() as txn:
-            for c in self.index.chunks_of(ino, self._nchunks(old_size)):
+            if self.allocated.get(ino, 0) > pages(new_size):
+                self._set_allocated(ino, pages(new_size))  # space past the new end is released
+            for c in self.index.chunks_of(ino, self._nchunks(end)):
                 if c >= keep:
                     self._replace(txn, ino, c, self.get(ino, c), None)
-        cut = new_size - (keep - 1) * cs if new_size else 0
-        if new_size and cut != cs:
-            await self._cut(ino, keep - 1, cut)
+            if loc is not None and loc.raw_len > cut:
+                # Its bytes up to *cut* stay; the DRAM file's cut below takes the rest (a
+                # crash before that leaves them outside the region, punched at mount). New
+                # seq, unsealed: sealed again at close, or at mount.
+                new = (loc._replace(raw_len=cut) if loc.flags & LOST else
+                       Loc(IN_DRAM, 0, 0, 0, cut, 0, CODEC_RAW, 0, 0, self._next_seq()))
+                self._replace(txn, ino, last, loc, new)
+            if on_commit is not None:
+                on_commit()
         self.dram.truncate(ino, new_size)
 
     def _fetch_of(self, ino: int, start: int, stop: int) -> trio.Event | None:
@@ -2222,33 +2288,6 @@ class ChunkStore:
             if c >= start and (done := self._fetching.get((ino, c))) is not None:
                 return done
         return None
-
-    async def _cut(self, ino: int, c: int, cut: int) -> None:
-        """Shorten chunk *c* to *cut* bytes (its DRAM bytes past that go with the DRAM file's
-        truncation, which the caller does next)."""
-        while True:
-            pending = self._fetching.get((ino, c))
-            if pending is not None:
-                await pending.wait()
-                continue
-            loc = self.get(ino, c)
-            if loc is None or loc.raw_len <= cut:
-                return
-            if loc.flags & PACKED:
-                self.drop_dram_copy((ino, c))
-                continue
-            if loc.dram_slot < 0:
-                await self._make_resident(ino, c, loc)
-                continue
-            if loc.flags & SEALED:
-                with self.meta.write() as txn:
-                    unsealed = loc._replace(flags=0)
-                    self._replace(txn, ino, c, loc, unsealed)
-                loc = unsealed
-            new = Loc(IN_DRAM, 0, 0, 0, cut, 0, CODEC_RAW, 0, 0, self._next_seq())
-            with self.meta.write() as txn:
-                self._replace(txn, ino, c, loc, new)
-            return
 
     def delete_file(self, ino: int, size: int) -> None:
         """Forget every chunk of a file (its inode is gone)."""

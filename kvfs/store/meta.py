@@ -34,9 +34,10 @@ import lmdb
 log = logging.getLogger(__name__)
 
 # Format 2 adds the PACKED chunk flag; format 3 moves DRAM copies from one arena file of
-# slots to one file per inode (docs/FORMAT.md). Formats 1 and 2 are migrated at mount.
-FORMAT_VERSION = 3
-READABLE_FORMATS = (1, 2, 3)
+# slots to one file per inode; format 4 keeps the inode flag DENSE (kvfs.namespace), which
+# files made before it lack (docs/FORMAT.md). Older formats are migrated at mount.
+FORMAT_VERSION = 4
+READABLE_FORMATS = (1, 2, 3, 4)
 _U64 = struct.Struct(">Q")
 _KEY2 = struct.Struct(">QQ")
 TABLES = (b"super", b"inodes", b"dirents", b"symlinks", b"xattrs", b"chunks", b"counters",

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from kvfs.store.meta import FORMAT_VERSION
+
 CHUNK = 64 << 10
 
 
@@ -910,7 +912,7 @@ def test_packed_copies_survive_remount_kill_and_reboot(mount_factory):
         _write_durably(m.path / name, data)
     assert _packed(m, files) == 12
     m.unmount()
-    assert _superblock_format(m) == 3
+    assert _superblock_format(m) == FORMAT_VERSION
     r = m.fsck()
     assert r.returncode == 0 and " 0 errors" in r.stdout, r.stdout + r.stderr
     m.start()
@@ -978,8 +980,9 @@ def _to_arena_layout(m, format_version: int) -> None:
 @pytest.mark.parametrize("old_format", [1, 2])
 def test_an_arena_store_moves_to_dram_files_at_mount(mount_factory, old_format):
     """A store of formats 1-2 keeps its DRAM copies in one arena file: the first mount of
-    this version copies each into its inode's DRAM file and marks the store format 3, so
-    nothing is lost, dirty chunks included (a crash before the mark copies them again)."""
+    this version copies each into its inode's DRAM file and marks the store with its own
+    format, so nothing is lost, dirty chunks included (a crash before the mark copies them
+    again)."""
     m = mount_factory(dram_compress="1" if old_format == 2 else "0")
     durable = {f"k{i}": b for i, b in enumerate(_kv_blocks(3, 2 * CHUNK))}
     for name, data in durable.items():
@@ -989,7 +992,7 @@ def test_an_arena_store_moves_to_dram_files_at_mount(mount_factory, old_format):
     m.kill()
     _to_arena_layout(m, old_format)
     m.start()
-    assert _superblock_format(m) == 3
+    assert _superblock_format(m) == FORMAT_VERSION
     assert not (m.dram_dir / "arena").exists()
     _check(m, {**durable, **dirty})
     assert all(m.tiers(n) == {"dram"} for n in dirty)
