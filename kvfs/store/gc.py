@@ -31,6 +31,8 @@ threads, so it never holds more than one of them.
 
 An open segment that has not been appended to while OPEN_IDLE_SHARE of the tier was written
 elsewhere (a stream that went quiet) is sealed, so that its dead records can be reclaimed too.
+A segment that a whole pass could not empty (a live record that no longer reads: damage) is
+not picked again until its live bytes change.
 
 Write amplification = (user bytes + GC bytes) / user bytes, counted by the store in total and
 per stream by the segment log; GC bytes are charged to the stream they were copied out of.
