@@ -36,7 +36,8 @@ WRITEBACK_AGE_S = 30.0
 class Assembly:
     def __init__(self, s: Settings, dram_open_files: int = OPEN_FILES) -> None:
         self.settings = s
-        self.meta = MetaStore(os.path.join(s.nvme_dir, "meta"))
+        self.meta = MetaStore(os.path.join(s.nvme_dir, "meta"), map_size=s.meta_size,
+                              reserve=max(1 << 20, min(32 << 20, s.nvme_size // 32)))
         sb = self.meta.load_superblock()
         if sb is None:
             sb = self.meta.create_superblock(s.chunk_size, s.segment_size)
@@ -112,6 +113,7 @@ class Assembly:
         self.readahead.load()
         self.collector = CycleCollector(lambda: self.ops.requests)
         extra.append(self.collector.stats)
+        self.left_in_dram = 0  # bytes the unmount could not write back (`run`)
 
     def _parked_opens(self) -> int:
         """Opens that waited in the front thread for their file's staging (see kvfs.fs)."""
@@ -143,7 +145,7 @@ class Assembly:
             await pyfuse3.main(min_tasks=8, max_tasks=64)
             await self.ops.finish_mapped()  # (and every other take)
             log.info("unmounting: writing dirty chunks back to NVMe")
-            await self.store.writeback_all()
+            self.left_in_dram = await self.store.writeback_all()
             self.readahead.save()
             nursery.cancel_scope.cancel()
 

@@ -150,6 +150,9 @@ class Settings:
     # NVMe placement streams (1-5): short, gc, long, medium, cold; see kvfs/store/streams.py.
     streams: int = 4
     log_file: str | None = None
+    # Most the metadata (lmdb) may grow to: ~100 bytes per chunk and per file. Only address
+    # space until used.
+    meta_size: str | int = "64G"
     # Tests only: the daemon kills itself when it reaches this crash point (kvfs/faults.py).
     crash_at: str = ""
     extra: dict[str, str] = field(default_factory=dict)
@@ -171,6 +174,9 @@ class Settings:
         s.nvme_size = parse_size(self.nvme_size, base=_free_bytes(self.nvme_dir), what="nvme_size")
         s.prefetch_bandwidth = parse_size(self.prefetch_bandwidth, what="prefetch_bandwidth")
         s.read_through_min = parse_size(self.read_through_min, what="read_through_min")
+        s.meta_size = parse_size(self.meta_size, what="meta_size")
+        if s.meta_size < (16 << 20):
+            raise ConfigError(f"meta_size must be at least 16M, not {self.meta_size}")
         if s.dram_size < 4 * s.chunk_size:
             raise ConfigError(f"dram_size must hold at least 4 chunks, not {self.dram_size}")
         if s.nvme_size < 4 * s.segment_size:

@@ -269,9 +269,42 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         try:
             asm.close()
         finally:
+            verdict = _unmount_verdict(s, asm.left_in_dram if code == 0 else None)
+            if verdict:
+                log.error("unmount: %s", verdict)
+                _say_in_lock(lock, verdict)
             os.close(lock)
     log.info("unmounted %s", s.mountpoint)
-    return code
+    return 1 if code or asm.left_in_dram else 0
+
+
+def _unmount_verdict(s: Settings, left: int | None) -> str:
+    """Why the unmount was not clean (*left* bytes only in DRAM, or None: the daemon
+    failed), or "" if it was."""
+    if left is None:
+        return (f"the daemon failed while serving {s.mountpoint} (see its log); what it "
+                f"could not write back is kept in {s.dram_dir}")
+    if left:
+        return (f"{format_size(left)} could not be written back to {s.nvme_dir} (the NVMe "
+                f"tier is full or failing: see the log). They are kept in {s.dram_dir}, "
+                f"which survives until a reboot: free space there and mount the same "
+                f"directories again to write them back")
+    return ""
+
+
+def _say_in_lock(lock: int, verdict: str) -> None:
+    """Leave *verdict* in the lock file, where `kvfs umount` (which waits for the daemon to
+    exit) and the next mount read it. Not a file of its own: on a full filesystem, making
+    one fails, while the lock file's first block was allocated when the pid went in."""
+    data = f"{UNCLEAN_PREFIX}{verdict}\n".encode()[:4096]
+    try:
+        os.pwrite(lock, data, 0)
+        os.ftruncate(lock, len(data))
+    except OSError as exc:
+        log.error("cannot record the unclean unmount in the lock file: %s", exc)
+
+
+UNCLEAN_PREFIX = "unclean unmount: "
 
 
 def _tell(fd: int | None, msg: str) -> None:
@@ -294,6 +327,9 @@ def _lock(nvme_dir: str) -> int:
         if exc.errno in (errno.EAGAIN, errno.EACCES):
             raise MountError(f"{nvme_dir} is in use by another kvfs daemon") from None
         raise
+    last = os.pread(fd, 4096, 0).decode(errors="replace")
+    if last.startswith(UNCLEAN_PREFIX):
+        log.warning("the last %s", last.strip())
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd

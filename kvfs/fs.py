@@ -345,16 +345,19 @@ class Operations(pyfuse3.Operations):
     # -- namespace changes -----------------------------------------------------------------
     @_errors
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        self.store.check_room()
         return self._entry(self.ns.create(parent_inode, name, mode & ~ctx.umask, ctx.uid,
                                           ctx.gid, rdev=rdev))
 
     @_errors
     async def mkdir(self, parent_inode, name, mode, ctx):
+        self.store.check_room()
         mode = stat.S_IFDIR | (mode & ~ctx.umask & 0o7777)
         return self._entry(self.ns.create(parent_inode, name, mode, ctx.uid, ctx.gid))
 
     @_errors
     async def symlink(self, parent_inode, name, target, ctx):
+        self.store.check_room()
         if len(target) > 4095:
             raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
         return self._entry(self.ns.create(parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid,
@@ -362,6 +365,7 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def link(self, inode, new_parent_inode, new_name, ctx):
+        self.store.check_room()
         return self._entry(self.ns.link(inode, new_parent_inode, new_name))
 
     @_errors
@@ -708,6 +712,7 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def create(self, parent_inode, name, mode, flags, ctx):
+        self.store.check_room()
         mode = stat.S_IFREG | (mode & ~ctx.umask & 0o7777)
         if (expected := self._stream_size(Inode(0, mode), flags, parent_inode)) is not None:
             with self.store.meta.write():  # one commit: the inode and its writer's record
@@ -1015,6 +1020,7 @@ class Operations(pyfuse3.Operations):
         self._check_xattr_name(name)
         if len(value) > XATTR_SIZE_MAX:
             raise pyfuse3.FUSEError(errno.E2BIG)
+        self.store.check_room()
         self.ns.setxattr(inode, name, value)
 
     @_errors

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 
 import trio
 
+from kvfs.store.chunkstore import NoSpace
+
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int]
@@ -26,6 +28,9 @@ Key = tuple[int, int]
 PROTECTED_SHARE = 0.8
 # When every DRAM chunk is one readahead wants, the demoter compares this many of the coldest.
 KEPT_SCAN = 256
+# While writing back fails (the NVMe tier full, its disk failing), the demoter tries again
+# this often, not at every kick: each try costs a compression and a failed write.
+RETRY_S = 1.0
 
 
 class DramPolicy:
@@ -189,6 +194,8 @@ class Demoter:
             except Exception:
                 log.exception("demotion pass failed")
             self.store.notify_space()
+            if self.store.nvme_full.on or self.store.nvme_failing.on:
+                await trio.sleep(RETRY_S)  # not once per kick: until the next try
 
     async def demote_until(self, mark: float) -> None:
         self.passes += 1
@@ -250,9 +257,10 @@ class Demoter:
     async def _writeback(self, batch: list[tuple[Key, int]], limiter: trio.Semaphore) -> None:
         try:
             await self.store.writeback_many([key for key, _ in batch], drop=True)
-        except Exception as exc:  # NoSpace and I/O errors: the chunks stay dirty in DRAM
-            log.warning("demotion of %d chunks (%s first) failed: %s", len(batch), batch[0][0],
-                        exc)
+        except (NoSpace, OSError):
+            pass  # the chunks stay dirty in DRAM; the store logs the episode
+        except Exception:
+            log.exception("demotion of %d chunks (%s first) failed", len(batch), batch[0][0])
         finally:
             for key, size in batch:
                 self._leaving -= size
@@ -268,8 +276,10 @@ class Demoter:
         for batch in s.writeback_batches(old):
             try:
                 await s.writeback_many(batch, drop=False, pack=True)
-            except Exception as exc:
-                log.warning("writeback of chunk %s failed: %s", batch[0], exc)
+            except (NoSpace, OSError):
+                return  # the store logs the episode
+            except Exception:
+                log.exception("writeback of chunk %s failed", batch[0])
                 return
 
 

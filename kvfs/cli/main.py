@@ -96,9 +96,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def umount(mountpoint: str, timeout: float = 120.0) -> int:
-    """Unmount and wait until the daemon has written back and exited."""
+    """Unmount and wait until the daemon has written back and exited; 1 (and what the
+    daemon said) if it could not write everything back."""
     mp = os.path.abspath(mountpoint)
-    pid = _daemon_pid(mp)
+    pid, lock = _daemon(mp)
     r = subprocess.run(["fusermount3", "-u", mp], capture_output=True, text=True)
     if r.returncode != 0:
         sys.stderr.write(f"kvfs: {r.stderr.strip() or 'fusermount3 failed'}\n")
@@ -108,7 +109,7 @@ def umount(mountpoint: str, timeout: float = 120.0) -> int:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return 0
+            return _verdict(lock)
         time.sleep(0.05)
     if pid:
         sys.stderr.write(f"kvfs: daemon {pid} still running after {timeout:.0f}s\n")
@@ -116,17 +117,32 @@ def umount(mountpoint: str, timeout: float = 120.0) -> int:
     return 0
 
 
-def _daemon_pid(mp: str) -> int | None:
-    """The pid of the daemon serving *mp*, from the lock file in its NVMe directory."""
+def _daemon(mp: str) -> tuple[int | None, str | None]:
+    """The pid of the daemon serving *mp* and its lock file (in its NVMe directory)."""
     try:
         import json
 
         raw = os.getxattr(mp, "user.kvfs.status")
-        nvme_dir = json.loads(raw)["settings"]["nvme_dir"]
-        with open(os.path.join(nvme_dir, "lock")) as f:
-            return int(f.read().strip() or 0) or None
+        lock = os.path.join(json.loads(raw)["settings"]["nvme_dir"], "lock")
+        with open(lock) as f:
+            return int(f.read().strip() or 0) or None, lock
     except (OSError, ValueError, KeyError):
-        return None
+        return None, None
+
+
+def _verdict(lock: str | None) -> int:
+    """What the daemon left in its lock file when it exited: an unclean unmount says why."""
+    from kvfs.daemon import UNCLEAN_PREFIX
+
+    try:
+        with open(lock) as f:
+            said = f.read().strip()
+    except (OSError, TypeError):
+        return 0
+    if said.startswith(UNCLEAN_PREFIX):
+        sys.stderr.write(f"kvfs: {said[len(UNCLEAN_PREFIX):]}\n")
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,6 +55,7 @@ from kvfs.nursery import open_nursery
 from kvfs.store.choices import ChoiceMemory
 from kvfs.store.codec import CODEC_RAW, Codec, CodecError
 from kvfs.store.dram import OPEN_FILES, DramFile, DramFiles, pages
+from kvfs.store.episode import Episode
 from kvfs.store.meta import FORMAT_VERSION, MetaStore, from_key2, from_u64, key2, u64
 from kvfs.store.nvme import (
     BLOCK,
@@ -129,6 +130,9 @@ STREAM_ROOM_SHARE = 0.25
 # thread more than the chunk's own bookkeeping, and its records go to disk in one write.
 WRITEBACK_BATCH = 4
 WRITEBACK_BATCH_MAX = 32
+# A write waiting for room in DRAM (the demoter writing chunks back to make it) gives up
+# with ENOSPC after this long in all.
+DRAM_WAIT_S = 60.0
 
 
 class Loc(NamedTuple):
@@ -320,6 +324,9 @@ class ChunkStore:
         self.seq = 0
         self.space_waiters = 0
         self._space = trio.Event()
+        # Writing back to NVMe fails: the tier (its filesystem) is full, or its I/O fails.
+        self.nvme_full = Episode(f"NVMe tier {nvme_dir} full")
+        self.nvme_failing = Episode(f"NVMe tier {nvme_dir}: writing back fails")
         self._fetching: dict[tuple[int, int], trio.Event] = {}
         self._file_codec: dict[int, int] = {}
         # Files whose codec a writeback is choosing now: their other chunks wait for the
@@ -343,8 +350,6 @@ class ChunkStore:
         # Prefetch never takes the worker threads demand reads need.
         self.prefetch_limiter = trio.CapacityLimiter(max(1, io_threads // 2))
         self.high_water = int(0.9 * dram_size)  # set by tiering; start demoting above it
-        # Room kept free on NVMe so that cleaning always has somewhere to copy to.
-        self.nvme_reserve = 2 * segment_size + nvme_size // 20
         # Reads of DRAM copies land here: a read's reply is sent before any other task runs
         # (see `read`), so one buffer serves them all.
         self._scratch = bytearray(chunk_size)
@@ -743,7 +748,14 @@ class ChunkStore:
     # -- capacity --------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
-        return self.nvme.capacity - self.nvme_reserve
+        """Record bytes the files may hold: what the NVMe tier's segments hold (as many as
+        nvme_size allows, or fewer while the filesystem below has no room for them: it may
+        be shared, or smaller), less the room kept free so that cleaning always has
+        somewhere to copy to (its reserved segments and 5%)."""
+        nvme = self.nvme
+        per_segment = nvme.usable(self.cs)
+        tier = nvme.max_segments * per_segment
+        return tier - nvme.gc_reserved * per_segment - tier // 20
 
     @property
     def used(self) -> int:
@@ -753,7 +765,13 @@ class ChunkStore:
     def _check_capacity(self, growth: int, ino: int) -> None:
         if growth > 0 and ino in self.allocated:
             growth -= min(growth, self.reservation(ino))  # fallocate()d room is already counted
-        if growth > 0 and self.used + growth > self.capacity:
+        if growth > 0 and (self.meta.room_low or self.used + growth > self.capacity):
+            raise NoSpace()
+
+    def check_room(self) -> None:
+        """NoSpace if the metadata has no room to grow (a create, a link, an xattr would
+        need some): see kvfs.store.meta, META_STEP."""
+        if self.meta.room_low:
             raise NoSpace()
 
     # -- fallocate reservations ------------------------------------------------------------
@@ -799,20 +817,24 @@ class ChunkStore:
         self._space = trio.Event()
 
     async def _wait_dram(self, growth: int) -> None:
-        """Wait until the DRAM tier has room for *growth* more bytes."""
+        """Wait until the DRAM tier has room for *growth* more bytes; NoSpace at once while
+        nothing can leave it (the NVMe tier is full), or after DRAM_WAIT_S in all."""
+        deadline = trio.current_time() + DRAM_WAIT_S
         while self.dram_load + growth > self.dram.capacity:
             if not self._drop_one_clean():
                 if self.dram_chunks == 0:
                     return  # a single write bigger than DRAM: let it through
+                if self.nvme_full.on:
+                    raise NoSpace()
                 self.space_waiters += 1
                 try:
                     self.kick_demoter()
-                    with trio.fail_after(60):
+                    with trio.move_on_at(deadline) as waited:
                         await self._space.wait()
-                except trio.TooSlowError:
-                    raise NoSpace() from None
                 finally:
                     self.space_waiters -= 1
+                if waited.cancelled_caught:
+                    raise NoSpace()
 
     def _drop_one_clean(self) -> bool:
         for key in self.policy.victims():
@@ -2000,10 +2022,23 @@ class ChunkStore:
         if not jobs:
             return done
         try:
-            return await self._writeback_jobs(jobs, choosing, done, drop=drop, pack=pack)
+            done = await self._writeback_jobs(jobs, choosing, done, drop=drop, pack=pack)
+        except NoSpace:
+            self.nvme_full.failed(
+                f"the filesystem under {self.nvme.directory} has "
+                f"{self.nvme.room() >> 20} MiB free: dirty data stays in DRAM, and writes "
+                f"that need room get ENOSPC until space is freed (remove files here, or "
+                f"free space on that filesystem)")
+            raise
+        except OSError as exc:
+            self.nvme_failing.failed(f"{exc}: dirty data stays in DRAM")
+            raise
         finally:
             for job in jobs:
                 self.dram.drop(job.held)
+        self.nvme_full.over()
+        self.nvme_failing.over()
+        return done
 
     async def _writeback_jobs(self, jobs: list[_Job], choosing: dict[int, trio.Event],
                               done: list[bool], *, drop: bool, pack: bool) -> list[bool]:
@@ -2037,12 +2072,16 @@ class ChunkStore:
                     continue
                 job.rec_len = record_length(len(job.payload))
                 job.seg, job.off = await self._reserve(job.stream, job.rec_len)
+                job.stream = job.seg.stream  # (another's, when the tier is nearly full)
                 todo.append(job)
             if todo:
                 await trio.to_thread.run_sync(self._write_jobs, todo, limiter=self.limiter)
-        except BaseException:
+        except BaseException as exc:
             for job in todo:
                 self.nvme.mark_dead(job.seg.seg_id, job.rec_len)
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                self.nvme.room_changed()  # (a filesystem that cannot preallocate segments)
+                raise NoSpace() from exc
             raise
         if drop or (pack and self.dram_compress):
             for ino in {job.ino for job in todo}:
@@ -2217,22 +2256,31 @@ class ChunkStore:
         self.nvme.sync()
         self.meta.sync()
 
-    async def writeback_all(self) -> None:
-        """Write every dirty chunk to NVMe (clean unmount)."""
+    async def writeback_all(self) -> int:
+        """Write every dirty chunk to NVMe and make it durable (clean unmount). Returns the
+        bytes left only in DRAM: 0, unless writing back failed (the tier full, its disk
+        failing; the store logs the episode)."""
         keys = list(self.dirty_since)
         async with open_nursery() as nursery:
             limiter = trio.Semaphore(2)
             for batch in self.writeback_batches(keys):
                 await limiter.acquire()
                 nursery.start_soon(self._writeback_release, batch, limiter)
-        await self.sync()
+        try:
+            await self.sync()
+        except OSError as exc:
+            log.error("unmount: making the NVMe tier durable failed: %s", exc)
+            return self.dram_used
+        return self.unbacked
 
     async def _writeback_release(self, keys, limiter) -> None:
         try:
             await self.writeback_many(keys, drop=False)
-        except Exception as exc:
-            log.error("writeback of %d chunks (inode %d chunk %d first) failed: %s",
-                      len(keys), keys[0][0], keys[0][1], exc)
+        except (NoSpace, OSError):
+            pass  # logged as an episode; the chunks stay dirty in DRAM
+        except Exception:
+            log.exception("writeback of %d chunks (inode %d chunk %d first) failed",
+                          len(keys), keys[0][0], keys[0][1])
         finally:
             limiter.release()
 

@@ -48,6 +48,7 @@ import time
 
 import trio
 
+from kvfs.store.episode import Episode
 from kvfs.store.nvme import BLOCK, NvmeFull, RecordError, RecordHeader, Segment, record_length
 from kvfs.store.streams import HINT_NAMES, StreamTable, device_info
 
@@ -108,8 +109,9 @@ class Cleaner:
         # header no longer reads is not even found; its readers get EIO) -> their live
         # bytes then. Cleaning such a segment again frees nothing, and in urgent mode it
         # would be picked again at once, forever: it waits until its live bytes change.
-        self._stuck: dict[int, int] = {}
+        self._unmovable: dict[int, int] = {}
         self._crash = _crash_point_from_env()
+        self.no_room = Episode("NVMe tier cleaning")
 
     def kick(self) -> None:
         self._kick.set()
@@ -157,7 +159,7 @@ class Cleaner:
         open_ids = {s.seg_id for s in self.nvme.open_segment.values()}
         for seg in self.nvme.segments.values():
             if (seg.seg_id in open_ids or seg.deleted or seg.hold
-                    or self._stuck.get(seg.seg_id) == seg.live_bytes):
+                    or self._unmovable.get(seg.seg_id) == seg.live_bytes):
                 continue
             u = min(1.0, max(0, seg.live_bytes) / size)
             if u > max_u:
@@ -214,6 +216,8 @@ class Cleaner:
         return room()
 
     async def clean_one(self, mode: str = "urgent") -> bool:
+        """Clean one victim; False if there was none, or nothing could be copied out of it
+        (no segment to copy into: cleaning more would only scan it again)."""
         async with self._lock:
             seg = self.pick_victim(IDLE_MAX_U if mode == "idle" else 0.98)
             if seg is None:
@@ -222,12 +226,14 @@ class Cleaner:
             v = self.victims.setdefault(seg.stream, [0, 0.0])
             v[0] += 1
             v[1] += max(0, seg.live_bytes) / self.nvme.segment_size
-            await self._clean(seg, mode)
-            return True
+            return await self._clean(seg, mode)
 
     # -- one victim ------------------------------------------------------------------------
-    async def _clean(self, seg: Segment, mode: str) -> None:
+    async def _clean(self, seg: Segment, mode: str) -> bool:
+        """Copy *seg*'s live records elsewhere and free it; False if no record could be
+        copied for want of room (it stays as it was)."""
         store = self.store
+        stuck = False
         seg.hold += 1
         self.nvme.pin(seg.seg_id)
         self.cleaning = True
@@ -247,6 +253,7 @@ class Cleaner:
                 try:
                     dst = await self._move(seg, off, h, loc)
                 except _NoRoom:
+                    stuck = not moved_to
                     break  # leave the rest where it is
                 if dst is not None:
                     moved_to[dst.seg_id] = dst
@@ -266,11 +273,14 @@ class Cleaner:
         self.nvme._maybe_delete(seg)
         if seg.deleted:
             self.segments_cleaned += 1
-            self._stuck.pop(seg.seg_id, None)
-        elif complete and self._stuck.get(seg.seg_id) != seg.live_bytes:
+            self._unmovable.pop(seg.seg_id, None)
+            if self.nvme.free_segments() > self.nvme.gc_reserved:
+                self.no_room.over()
+        elif complete and self._unmovable.get(seg.seg_id) != seg.live_bytes:
             log.error("cleaning segment %d: %d bytes of live records in it could not be "
                       "moved (unreadable); left as they are", seg.seg_id, seg.live_bytes)
-            self._stuck[seg.seg_id] = seg.live_bytes
+            self._unmovable[seg.seg_id] = seg.live_bytes
+        return not stuck
 
     async def _move(self, seg: Segment, off: int, h: RecordHeader, loc) -> Segment | None:
         """Copy one live record; returns the segment it went to (None: left in place)."""
@@ -287,7 +297,8 @@ class Cleaner:
         try:
             dst, dst_off = self.nvme.reserve(stream, rec_len, for_gc=True)
         except NvmeFull:
-            log.warning("cleaning segment %d: no free segment to copy into", seg.seg_id)
+            self.no_room.failed(f"no free segment to copy live records into (segment "
+                                f"{seg.seg_id} and others stay as they are)")
             raise _NoRoom() from None
         moved = RecordHeader(header.codec, stream, header.ino, header.chunk, header.seq,
                              header.raw_len, header.stored_len, header.checksum)

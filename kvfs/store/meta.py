@@ -20,6 +20,7 @@ Write transactions are only ever opened on the trio thread, so they never conten
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -31,7 +32,19 @@ from contextlib import contextmanager
 
 import lmdb
 
+from kvfs.store.episode import Episode
+from kvfs.store.osutil import fallocate
+
 log = logging.getLogger(__name__)
+
+# lmdb writes through a shared mapping of its file (writemap), and a page of it that the
+# filesystem below cannot back (it is full) is a SIGBUS: the daemon would die. So the file
+# grows only into blocks reserved ahead of it, a step at a time (`reserve`: 1-32 MiB, by
+# the tier's size); when less than half a step is left and the next cannot be had (or the
+# map's end is near), `room_low` turns on and the store refuses what would grow the
+# metadata (creates, writes: ENOSPC) while what is left lets deletions, truncations and
+# write-backs go on. Checked every META_CHECK_EVERY commits (~5 us each).
+META_CHECK_EVERY = 8
 
 # Format 2 adds the PACKED chunk flag; format 3 moves DRAM copies from one arena file of
 # slots to one file per inode; format 4 keeps the inode flag DENSE (kvfs.namespace), which
@@ -67,23 +80,82 @@ def from_key2(b: bytes) -> tuple[int, int]:
 class MetaStore:
     """Owns the lmdb environment. Tables are attributes named after the table."""
 
-    def __init__(self, path: str, *, map_size: int = 1 << 36) -> None:
+    def __init__(self, path: str, *, map_size: int = 1 << 36, reserve: int = 0) -> None:
         os.makedirs(path, exist_ok=True)
         self.path = path
         # 64 GiB of address space is only a ceiling; the file grows as it is used.
         self.env = lmdb.open(path, map_size=map_size, max_dbs=len(TABLES), writemap=True,
                              sync=False, metasync=False, map_async=False, readahead=False,
                              lock=True, subdir=True)
+        self.map_size = self.env.info()["map_size"]  # (never less than what is used)
         self.db = {name.decode(): self.env.open_db(name) for name in TABLES}
         self._txn: lmdb.Transaction | None = None
         self._after: list = []
         # Runs after each commit's after_commit functions (the DRAM tier frees the regions
         # they released, all at once).
         self.on_settled = lambda: None
+        # Blocks reserved for the file to grow into, *reserve* bytes at a time (a mounted
+        # store; fsck only reads). See META_CHECK_EVERY.
+        self.room = Episode(f"metadata in {path}: no room to grow")
+        self._file = os.open(os.path.join(path, "data.mdb"), os.O_RDWR) if reserve else None
+        self._step = reserve
+        self._psize = self.env.stat()["psize"]
+        self._reserved = 0
+        self._commits = 0
+        if reserve:
+            self._reserve()
+
+    @property
+    def room_low(self) -> bool:
+        """Is the metadata out of room to grow (see META_CHECK_EVERY)?"""
+        return self.room.on
+
+    def _in_use(self) -> int:
+        """Bytes of the map holding data (pages lmdb freed are reused before the file
+        grows; it never shrinks)."""
+        with self.env.begin() as txn:
+            pages = 2  # the meta pages
+            for db in (None, *self.db.values()):
+                st = txn.stat(db) if db is not None else self.env.stat()
+                pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        return pages * self._psize
+
+    def _reserve(self) -> None:
+        """Reserve the next step of the file once less than half a step is left ahead of
+        what lmdb uses."""
+        low = self._step // 2
+        used = (self.env.info()["last_pgno"] + 1) * self._psize
+        if used + low > self.map_size:  # the file reached the map's end: freed pages serve
+            if (in_use := self._in_use()) + low > self.map_size:
+                self.room.failed(f"{in_use >> 20} MiB used of a {self.map_size >> 20} MiB "
+                                 f"map (meta_size)")
+            else:
+                self.room.over()
+            return
+        if used + low <= self._reserved:
+            self.room.over()
+            return
+        start = max(self._reserved, used)
+        try:
+            fallocate(self._file, 0, start, min(self._step, self.map_size - start))
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+                log.warning("metadata in %s: the filesystem cannot reserve room (%s); a full "
+                            "filesystem there may stop the daemon", self.path, exc)
+                os.close(self._file)
+                self._file = None
+                return
+            self.room.failed(f"cannot reserve {self._step >> 20} MiB for it to grow ({exc}): "
+                             "creates and writes get ENOSPC until space is freed")
+            return
+        self._reserved = start + self._step
+        self.room.over()
 
     def close(self) -> None:
         self.env.sync(True)
         self.env.close()
+        if self._file is not None:
+            os.close(self._file)
 
     # -- superblock ------------------------------------------------------------------------
     def load_superblock(self) -> dict | None:
@@ -141,6 +213,9 @@ class MetaStore:
             txn.commit()
         finally:
             self._txn = None
+        self._commits += 1
+        if self._file is not None and self._commits % META_CHECK_EVERY == 0:
+            self._reserve()
         # Old locations are released only now that their replacements are committed.
         after, self._after = self._after, []
         for fn in after:

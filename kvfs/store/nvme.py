@@ -32,6 +32,7 @@ from typing import TypeVar
 
 import xxhash
 
+from kvfs.store.osutil import FALLOC_FL_KEEP_SIZE, fallocate, punch_hole
 from kvfs.store.streams import set_write_hint
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,11 @@ T = TypeVar("T")
 
 class NvmeFull(Exception):
     """The NVMe tier has no free segment for a new record."""
+
+
+# How long a reading of the free space of the filesystem under the tier is trusted (a
+# statvfs costs a few microseconds; the store asks at every write).
+ROOM_TTL_S = 0.5
 
 
 class RecordError(Exception):
@@ -154,7 +160,10 @@ class NvmeLog:
         self.fs_uuid = uuidlib.UUID(fs_uuid).bytes
         self.capacity = capacity
         self.segment_size = segment_size
-        self.max_segments = capacity // segment_size
+        self._max_segments = capacity // segment_size  # what nvme_size allows
+        self._room = 0  # free bytes of the filesystem below, as last read (`room`)
+        self._room_read = -ROOM_TTL_S
+        self.preallocate = True  # segments get their blocks at creation (`_new_segment`)
         self.segments: dict[int, Segment] = {}
         self.open_segment: dict[int, Segment] = {}  # stream -> segment being appended to
         self.next_seg = 1
@@ -202,6 +211,36 @@ class NvmeLog:
                                             sealed=True, created=os.stat(path).st_mtime)
             self.next_seg = max(self.next_seg, seg_id + 1)
 
+    # -- room ------------------------------------------------------------------------------
+    def room(self) -> int:
+        """Free bytes of the filesystem under the tier (it may be shared with others, or
+        smaller than nvme_size), read at most every ROOM_TTL_S."""
+        now = time.monotonic()
+        if now - self._room_read >= ROOM_TTL_S:
+            st = os.statvfs(self.directory)
+            self._room, self._room_read = st.f_bavail * st.f_frsize, now
+        return self._room
+
+    def room_changed(self) -> None:
+        """The filesystem below answered ENOSPC (or space was freed): read it again."""
+        self._room_read = -ROOM_TTL_S
+
+    def usable(self, chunk_size: int) -> int:
+        """Record bytes a segment surely holds: as many whole records of a full chunk
+        stored raw (the biggest a record gets) as fit after its header block."""
+        most = record_length(chunk_size)
+        return (self.segment_size - BLOCK) // most * most
+
+    @property
+    def max_segments(self) -> int:
+        """Segments the tier may hold: what nvme_size allows, or fewer when the filesystem
+        below has no room for more (each new segment takes its whole size at creation).
+        One segment's worth of that room is left out: it comes and goes with the log, the
+        metadata and whoever else writes there, and a tier that counted on it would take
+        writes it then cannot write back."""
+        more = max(0, self.room() - self.segment_size) // self.segment_size
+        return min(self._max_segments, len(self.segments) + more)
+
     def _new_segment(self, stream: int) -> Segment:
         if len(self.segments) >= self.max_segments:
             raise NvmeFull()
@@ -211,10 +250,26 @@ class NvmeLog:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
         buf = self.buffers.get(BLOCK)
         try:
+            # Its blocks, all at once: a full filesystem says so here, cleanly, not in the
+            # middle of a record write (KEEP_SIZE: the file's length stays what was written).
+            if self.preallocate:
+                try:
+                    fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, self.segment_size)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                        raise
+                    self.preallocate = False  # a filesystem without it: writes will say
             buf[:BLOCK] = bytes(BLOCK)
             buf[:SEGMENT_HEADER.size] = SEGMENT_HEADER.pack(
                 SEGMENT_MAGIC, SEGMENT_VERSION, stream, seg_id, self.fs_uuid, time.time_ns())
             os.pwrite(fd, memoryview(buf)[:BLOCK], 0)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(path)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                self.room_changed()
+                raise NvmeFull() from None
+            raise
         finally:
             self.buffers.put(buf)
         seg = Segment(seg_id, stream, path, fd, created=time.time(), unsynced=True,
@@ -237,16 +292,26 @@ class NvmeLog:
     def reserve(self, stream: int, length: int, *, for_gc: bool = False
                 ) -> tuple[Segment, int]:
         """Claim *length* bytes at the end of *stream*'s open segment (trio thread, no I/O
-        except creating a segment file). Only the cleaner may take the last free segments:
-        it needs them to free others."""
+        except creating a segment file); the record goes to the segment's stream
+        (`Segment.stream`). Only the cleaner may take the last free segments: it needs them
+        to free others. Without one, a record goes where another stream's open segment has
+        room: placement is a hint, and a full tier must take what fits."""
         seg = self.open_segment.get(stream)
         if seg is None or seg.write_off + length > self.segment_size:
             if not for_gc and self.free_segments() <= self.gc_reserved:
-                raise NvmeFull()
+                for other in self.open_segment.values():
+                    if other.write_off + length <= self.segment_size:
+                        seg = other
+                        break
+                else:
+                    raise NvmeFull()
+                off = seg.write_off
+                seg.write_off += length
+                seg.live_bytes += length
+                return seg, off
             if seg is not None:
-                seg.sealed = True
                 del self.open_segment[stream]
-                self._maybe_delete(seg)
+                self._seal(seg)
             seg = self._new_segment(stream)
             self.open_segment[stream] = seg
         off = seg.write_off
@@ -259,8 +324,19 @@ class NvmeLog:
         dead space can be reclaimed); the next append opens a new one."""
         seg = self.open_segment.pop(stream, None)
         if seg is not None:
-            seg.sealed = True
-            self._maybe_delete(seg)
+            self._seal(seg)
+
+    def _seal(self, seg: Segment) -> None:
+        """No more appends to *seg*: the blocks preallocated past its last record go back
+        to the filesystem (a 1 MiB record does not fit a 4 MiB segment's last MiB)."""
+        seg.sealed = True
+        if self.preallocate and seg.write_off < self.segment_size:
+            try:
+                punch_hole(seg.fd, seg.write_off, self.segment_size - seg.write_off)
+            except OSError as exc:
+                log.warning("segment %d: giving back its unused end failed: %s", seg.seg_id, exc)
+            self.room_changed()
+        self._maybe_delete(seg)
 
     def free_segments(self) -> int:
         return self.max_segments - len(self.segments)
@@ -363,8 +439,8 @@ class NvmeLog:
         """fdatasync every segment with appended records (worker thread)."""
         for seg in list(self.segments.values()):
             if seg.unsynced and not seg.deleted:
+                os.fdatasync(seg.fd)  # (a failure leaves it unsynced: the next sync retries)
                 seg.unsynced = False
-                os.fdatasync(seg.fd)
         fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(fd)  # new segment files' directory entries
