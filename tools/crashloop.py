@@ -13,7 +13,7 @@ Each cycle:
    (with what it wrote: a seed per write). The journal is one write() per record to a
    file on local disk: it survives the SIGKILL of any process.
 2. After a random delay the daemon is SIGKILLed; the child's calls then fail and it stops.
-   In every fourth cycle the DRAM tier is also emptied, as a reboot would.
+   In every fourth cycle (--dram-loss-every) the DRAM tier is also emptied, as a reboot would.
 3. fsck (offline) runs on the tiers; then kvfs is mounted again (timed).
 4. Every file is read back and checked against what the journal allows:
    - the namespace (names) is the one after the last completed operation, or after the
@@ -34,13 +34,16 @@ Each cycle:
    before the next cycle; every other file continues with the bytes it was found with.
 
     python tools/crashloop.py [--cycles 20] [--seed 1] [--keep] [--max-delay 2.0]
+                              [--dram-loss-every 4]
 
 Prints one line per cycle and a summary (cycles, failures, DRAM-loss cycles, remount time).
 Exit status 1 if any cycle failed. With --keep, the tiers as they were right after the
-first failing cycle's crash (before fsck and the remount), its journal and the daemon log
-are kept, and the command that mounts them is printed. It uses the kvfs of the repository
-it lives in. Ctrl-C (or SIGTERM) stops it: the child and the daemon are killed, the mount is
-cleared (its FUSE connection aborted if it hangs) and the directories removed.
+crash of the first failing cycle of each kind of failure (before fsck and the remount),
+the journal and the daemon log are kept, and how to mount a copy of them is printed.
+--dram-loss-every N empties the DRAM tier in every Nth cycle instead (1: every cycle). It
+uses the kvfs of the repository it lives in. Ctrl-C (or SIGTERM) stops it: the child and
+the daemon are killed, the mount is cleared (its FUSE connection aborted if it hangs) and
+the directories removed.
 """
 
 from __future__ import annotations
@@ -672,8 +675,10 @@ class Outcome:
 
 
 class Loop:
-    def __init__(self, work: Path, dram: Path, seed: int, max_delay: float, keep: bool) -> None:
+    def __init__(self, work: Path, dram: Path, seed: int, max_delay: float, keep: bool,
+                 dram_loss_every: int) -> None:
         self.work, self.seed, self.max_delay, self.keep = work, seed, max_delay, keep
+        self.dram_loss_every = dram_loss_every
         self.kvfs = Kvfs(work, dram)
         self.journal = work / "journal"
         self.state = work / "state.pickle"
@@ -681,14 +686,14 @@ class Loop:
         self.next_id = 1
         self.journal_read = 0  # the journal of every cycle: what was read of it
         self.child: subprocess.Popen | None = None
-        self.kept: Path | None = None
+        self.kept: dict[str, Path] = {}  # failure kind -> the tiers of its first cycle
         self.log_seen = 0
 
     def start(self) -> float:
         return self.kvfs.mount()
 
     def cycle(self, i: int) -> Outcome:
-        lose = i % 4 == 3
+        lose = i % self.dram_loss_every == self.dram_loss_every - 1
         rng = random.Random(self.seed * 1_000_003 + i)
         with open(self.state, "wb") as f:
             pickle.dump({n: ino.data.tobytes() for n, ino in self.files.items()}, f)
@@ -724,7 +729,7 @@ class Loop:
         done, inflight, journal_failures = self._read_journal(t_kill)
         failures += journal_failures
         snap = None
-        if self.keep and self.kept is None:
+        if self.keep:
             snap = self.work / f"crash-{i}"
             self.kvfs.snapshot(snap)
         rc, out = self.kvfs.fsck()
@@ -732,14 +737,11 @@ class Loop:
         try:
             remount = self.kvfs.mount()
         except MountFailed:
-            self._keep(snap)
+            self._keep(snap, [Finding("mount failed", "")])
             raise
         check_failures, note = self._check(inflight, lose)
         failures += check_failures
-        if failures:
-            self._keep(snap)
-        elif snap is not None:
-            shutil.rmtree(snap)
+        self._keep(snap, failures)
         what = _describe(inflight) if inflight else "nothing"
         line = (f"cycle {i}: {'FAIL' if failures else 'ok'}  {len(done)} ops, in flight: "
                 f"{what}{', DRAM lost' if lose else ''}; fsck {fsck_note}; remount "
@@ -854,12 +856,18 @@ class Loop:
             note += f", {eio_files} with EIO ranges (unlinked)"
         return failures, note
 
-    def _keep(self, snap: Path | None) -> None:
-        if snap is None or self.kept is not None:
+    def _keep(self, snap: Path | None, failures: list[Finding]) -> None:
+        """Keep *snap* if it is the first cycle of a kind of failure, else remove it."""
+        if snap is None:
+            return
+        new = {f.kind for f in failures} - set(self.kept)
+        if not new:
+            shutil.rmtree(snap)
             return
         shutil.copy(self.kvfs.log, snap / "kvfs.log")
         shutil.copy(self.journal, snap / "journal")
-        self.kept = snap
+        for kind in new:
+            self.kept[kind] = snap
 
     def stop(self) -> None:
         """Kill what this loop started and clear its mount; leave no process behind."""
@@ -930,7 +938,7 @@ class Summary:
     dram_lost: int = 0
     remounts: list[float] = field(default_factory=list)
     wall_s: float = 0.0
-    kept: Path | None = None
+    kept: dict[str, Path] = field(default_factory=dict)
     kinds: dict[str, list[int]] = field(default_factory=dict)  # kind -> cycles it was seen
 
     def text(self) -> str:
@@ -945,12 +953,12 @@ class Summary:
 
 
 def run(cycles: int, seed: int = 1, *, keep: bool = False, max_delay: float = 2.0,
-        out=print) -> Summary:
+        dram_loss_every: int = 4, out=print) -> Summary:
     """Run *cycles* crash cycles on a fresh store; print a line per cycle through *out*."""
     tag = f"crashloop-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     work = Path("/tmp") / tag
     dram = Path("/dev/shm") / tag
-    loop = Loop(work, dram, seed, max_delay, keep)
+    loop = Loop(work, dram, seed, max_delay, keep, dram_loss_every)
     summary = Summary()
     t0 = time.monotonic()
     previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -978,14 +986,16 @@ def run(cycles: int, seed: int = 1, *, keep: bool = False, max_delay: float = 2.
     finally:
         loop.stop()
         signal.signal(signal.SIGTERM, previous)
-        summary.kept = loop.kept
-        if loop.kept is None:
+        summary.kept = dict(loop.kept)
+        if not loop.kept:
             shutil.rmtree(work, ignore_errors=True)
-        else:
-            out(f"kept the first failure's tiers (as right after its crash, before fsck and "
-                f"the remount), its journal and the daemon's log in {loop.kept}; to look at "
-                f"a copy: cp -a --sparse=always {loop.kept} /tmp/c && python -m kvfs mount "
-                f"MNT --nvme-dir /tmp/c/nvme --dram-dir /tmp/c/dram {' '.join(MOUNT_ARGS)}")
+        for kind, snap in loop.kept.items():
+            out(f"kept: {kind}: {snap}")
+        if loop.kept:
+            out("(the tiers as the crash left them, before fsck and the remount, the journal "
+                "and the daemon's log; to look at a copy: cp -a --sparse=always DIR /tmp/c && "
+                "python -m kvfs mount MNT --nvme-dir /tmp/c/nvme --dram-dir /tmp/c/dram "
+                f"{' '.join(MOUNT_ARGS)})")
         shutil.rmtree(dram, ignore_errors=True)
         summary.wall_s = time.monotonic() - t0
     out(summary.text())
@@ -1004,14 +1014,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cycles", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--keep", action="store_true",
-                    help="keep the tiers of the first failing cycle (as after its crash)")
+                    help="keep the tiers of the first failing cycle of each kind of failure "
+                         "(as its crash left them)")
+    ap.add_argument("--dram-loss-every", type=int, default=4, metavar="N",
+                    help="empty the DRAM tier in every Nth cycle (default %(default)s)")
     ap.add_argument("--max-delay", type=float, default=2.0,
                     help="the daemon is killed 0.05 s to this many seconds into a cycle")
     a = ap.parse_args(argv)
     if os.geteuid() != 0:
         ap.error("run as root (it mounts kvfs)")
     try:
-        s = run(a.cycles, a.seed, keep=a.keep, max_delay=a.max_delay)
+        s = run(a.cycles, a.seed, keep=a.keep, max_delay=a.max_delay,
+                dram_loss_every=a.dram_loss_every)
     except KeyboardInterrupt:
         return 130
     return 1 if s.failures else 0
