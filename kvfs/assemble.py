@@ -133,6 +133,7 @@ class Assembly:
         self.collector.install()  # after loading: what the mount loaded is never scanned again
         async with trio.open_nursery() as nursery:
             self.store.spawn = nursery.start_soon  # read-ahead of read-through files
+            self.ops.spawn = nursery.start_soon  # punched holes
             nursery.start_soon(self.demoter.run)
             nursery.start_soon(self.cleaner.run)
             nursery.start_soon(self.readahead.run)

@@ -4,6 +4,7 @@ Talking to the daemon through the mount itself (as S3QL does) works wherever the
 visible, containers included, and needs no socket or port. Names:
 
     user.kvfs.status          (get, any inode) one JSON object: tiers, reads, moves, gc, ...
+                              (the tiers' directories only for root and the daemon's user)
     user.kvfs.where[.START]   (get, a file) JSON: tiers of the file's chunks from START, a page
                               at a time ({"chunks": [...], "next": N or null})
     user.kvfs.prefetch        (set, a file; any value) stage the file in DRAM: the engine will
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import time
 
 from kvfs.namespace import NamespaceError
@@ -37,9 +39,11 @@ class Control:
     def handles(name: bytes) -> bool:
         return any(name == v or name.startswith(v + b".") for v in VIRTUAL)
 
-    def get(self, ino: int, name: bytes) -> bytes:
+    def get(self, ino: int, name: bytes, uid: int) -> bytes:
+        """The value of virtual xattr *name* of *ino*, for a caller with user id *uid*."""
         if name == b"status":
-            return json.dumps(self.status(), separators=(",", ":")).encode()
+            paths = uid in (0, os.geteuid())  # where the tiers live is the admin's business
+            return json.dumps(self.status(paths), separators=(",", ":")).encode()
         if name == b"prefetch":
             raise NamespaceError(errno.ENODATA)  # write-only
         if name == b"where" or name.startswith(b"where."):
@@ -61,13 +65,15 @@ class Control:
             return
         raise NamespaceError(errno.EPERM)  # status and where are read-only
 
-    def status(self) -> dict:
+    def status(self, paths: bool = True) -> dict:
+        """Everything kvfsctl status shows; the tiers' directories only with *paths*."""
         out = self.store.stats()
         out["uptime_s"] = round(time.time() - self.started, 1)
         out["files"] = self.ns.files
-        out["settings"] = {"chunk_size": self.store.cs, "cache_mode": self.settings.cache_mode,
-                           "dram_dir": self.settings.dram_dir,
-                           "nvme_dir": self.settings.nvme_dir}
+        out["settings"] = {"chunk_size": self.store.cs, "cache_mode": self.settings.cache_mode}
+        if paths:
+            out["settings"] |= {"dram_dir": self.settings.dram_dir,
+                                "nvme_dir": self.settings.nvme_dir}
         for fn in self.extra_stats:
             for section, values in fn().items():
                 out.setdefault(section, {}).update(values)

@@ -13,6 +13,7 @@ import logging
 import os
 import resource
 import socket
+import stat
 import sys
 
 import trio
@@ -36,9 +37,15 @@ def check(settings: Settings) -> Settings:
     mp = s.mountpoint
     if not mp:
         raise MountError("no mountpoint given")
-    if not os.path.exists(mp):
-        raise MountError(f"mountpoint {mp} does not exist")
-    if not os.path.isdir(mp):
+    try:
+        st = os.stat(mp)
+    except FileNotFoundError:
+        raise MountError(f"mountpoint {mp} does not exist") from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise MountError(dead_mount_message(mp)) from None
+        raise MountError(f"mountpoint {mp}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
         raise MountError(f"mountpoint {mp} is not a directory")
     if os.path.ismount(mp) and _is_fuse_mount(mp):
         raise MountError(f"{mp} is already a FUSE mount (unmount it first)")
@@ -67,6 +74,26 @@ def check(settings: Settings) -> Settings:
         raise ConfigError(f"dram_size {format_size(s.dram_size)} is larger than the tmpfs at "
                           f"{probe} ({format_size(shm.f_blocks * shm.f_frsize)})")
     return s
+
+
+def dead_mount_message(mp: str) -> str:
+    """What to say of *mp*, a FUSE mount whose daemon is gone (every access is ENOTCONN)."""
+    kind = _mount_type(os.path.realpath(mp))
+    what = "kvfs mount" if kind == "fuse.kvfs" else f"{kind or 'FUSE'} mount"
+    return (f"{mp} is a dead {what}: its daemon is gone (a crash?). Clear it with "
+            f"`kvfs umount {mp}` (or `fusermount3 -u -z {mp}`), then mount again; a kvfs "
+            "mount recovers what the dead one held")
+
+
+def _mount_type(real: str) -> str | None:
+    """The filesystem type of the mount on top at *real* (resolved), from mountinfo."""
+    kind = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            if parts[4] == real:
+                kind = parts[parts.index("-") + 1]
+    return kind
 
 
 def _inside(path: str, root: str) -> bool:
@@ -211,7 +238,7 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
             log.info("DRAM tier: %s", own_tmpfs(s.dram_dir, 2 * s.dram_size))
         asm = Assembly(s, dram_open_files=dram_fds)
     except Exception as exc:
-        msg = str(exc) if isinstance(exc, (ConfigError, MountError, FormatError)) else repr(exc)
+        msg = _reason(exc)
         log.error("cannot start: %s", msg)
         _tell(ready_fd, f"error: {msg}")
         if lock is not None:
@@ -219,10 +246,12 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         return 1
     if shim is not None:
         shim.set_fallocate_handler(asm.ops.fallocate_sync)
+        asm.ops.reply_fallocate = shim.fallocate_reply
         shim.set_write_handlers(asm.ops.write_plan, asm.ops.write_done)
         shim.want_passthrough(s.passthrough)
         shim.want_front_thread(s.passthrough and (s.fast_open or s.front_reads))
         shim.set_opened_handler(asm.ops.fast_opened)
+        shim.set_kill_handler(asm.ops.kill_suidgid)
         asm.ops.hot_capacity = shim.hot_limit(s.fast_open_files)
         if s.passthrough:
             asm.ops.shim = shim
@@ -314,6 +343,19 @@ def _tell(fd: int | None, msg: str) -> None:
         return
     os.write(fd, msg.encode())
     os.close(fd)
+
+
+def _reason(exc: Exception) -> str:
+    """Why the tiers could not be opened, in one line for the operator."""
+    if isinstance(exc, (ConfigError, MountError, FormatError)):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.filename:
+        why = f"{exc.filename}: {exc.strerror or exc}"
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            why += (" (the daemon must be able to read and write every file in its tier "
+                    "directories: check their owner, mode, attributes (lsattr) and mount)")
+        return why
+    return repr(exc)
 
 
 def _lock(nvme_dir: str) -> int:

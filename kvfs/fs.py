@@ -38,6 +38,7 @@ the DRAM file's contents as the file (`take_stream`), as soon as no request wait
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import functools
 import itertools
@@ -55,7 +56,7 @@ import trio.testing
 
 from kvfs.config import FAST_OPEN_FILES_MAX
 from kvfs.faults import CrashPoints
-from kvfs.namespace import Inode, Namespace, NamespaceError
+from kvfs.namespace import NAME_MAX, Inode, Namespace, NamespaceError
 from kvfs.store.chunkstore import ChunkError, ChunkStore, NoSpace
 from kvfs.tiering import StreamingPolicy
 
@@ -77,6 +78,7 @@ FILE_CAPS = b"security.capability"
 # other name is EOPNOTSUPP, as on tmpfs and ext4 (the kernel passes every name to FUSE).
 XATTR_NAMESPACES = (b"user.", b"trusted.", b"security.")
 FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
 # A file the kernel wrote is taken (hashed, recorded) after its last close, when no request
 # is waiting (see Operations.run_takes); at most TAKE_BACKLOG files wait, none over TAKE_WAIT_S.
 TAKE_BACKLOG = 4
@@ -87,6 +89,27 @@ MAPPED_CHECK_S = 5.0
 # Files of at most this many chunks go to the front thread's table (a staged chunk checks
 # its whole file; bigger files are read through the daemon anyway).
 FAST_OPEN_MAX_CHUNKS = 16
+
+
+class Kill(enum.IntEnum):
+    """Why the kernel asks kvfs to clear a file's set-user-ID and set-group-ID bits (the
+    shim's kill handler, kvfs._fuseshim.set_kill_handler)."""
+    WRITE = 0  # a write, or an open with O_TRUNC, by a caller without CAP_FSETID
+    TRUNCATE = 1  # a truncation by such a caller
+    CHOWN = 2  # a change of owner or group, by anyone
+
+
+def _groups_of(pid: int) -> frozenset[int]:
+    """The supplementary groups of process *pid* (a FUSE request names only its caller's
+    fsuid and fsgid); none if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return frozenset(int(g) for g in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return frozenset()
 
 
 @dataclass
@@ -196,6 +219,10 @@ class Operations(pyfuse3.Operations):
         self.pending_hot: dict[int, int] = {}
         self.fast_open_staged = 0  # pending entries made ready by their prefetch
         self.fast_opens = 0
+        # Starts a task in the daemon's nursery (set by the assembly while it runs), and
+        # answers a fallocate request later (the shim's, set by the daemon).
+        self.spawn: Callable | None = None
+        self.reply_fallocate: Callable[[int, int], None] | None = None
 
     # -- helpers ---------------------------------------------------------------------------
     def _parent(self, ino: int) -> int | None:
@@ -203,11 +230,20 @@ class Operations(pyfuse3.Operations):
         names = self.ns.names_of(ino)
         return min(names)[0] if names else None
 
-    def _current(self, inode: Inode) -> Inode:
-        """*inode*, its size brought up to date if the kernel is writing it without us."""
+    def _size(self, inode: Inode) -> int:
+        """*inode*'s size now: its DRAM file's while the kernel writes it without us. Its
+        recorded size (`inode.size`, what lmdb has) is that of its last take: saved with
+        anything else, a size its chunks do not reach yet would read as zeros after a
+        crash that loses DRAM."""
         if inode.ino in self.writers:
-            inode.size = self.store.stream_size(inode.ino)
-        return inode
+            return self.store.stream_size(inode.ino)
+        return inode.size
+
+    async def _recorded(self, node: Inode) -> None:
+        """Take what the kernel wrote so far into *node*, if it writes it: a change of its
+        size must start from its bytes recorded, as an fsync records them."""
+        if node.ino in self.writers and node.ino not in self._finishing:
+            await self.store.take_stream(node.ino, done=False, on_commit=self._sized(node))
 
     def _attr(self, inode: Inode) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -220,7 +256,7 @@ class Operations(pyfuse3.Operations):
         a.st_uid = inode.uid
         a.st_gid = inode.gid
         a.st_rdev = inode.rdev
-        a.st_size = self._current(inode).size
+        a.st_size = self._size(inode)
         a.st_blksize = BLOCK_SIZE
         held = self.store.blocks_bytes(inode.ino)
         if inode.ino in self.writers:  # what the kernel wrote may not be counted yet
@@ -299,13 +335,18 @@ class Operations(pyfuse3.Operations):
     @_errors
     async def setattr(self, inode, attr, fields, fh, ctx):
         await self._taken(inode)
-        node = self._current(self.ns.get(inode))
+        node = self.ns.get(inode)
+        if not (fields.update_size or fields.update_mode or fields.update_uid
+                or fields.update_gid or fields.update_atime or fields.update_mtime
+                or fields.update_ctime):
+            self._remove_privs(node, ctx)
         if fields.update_size:
             self.revoke(inode)
             if not node.is_reg:
                 raise pyfuse3.FUSEError(errno.EISDIR if node.is_dir else errno.EINVAL)
             if attr.st_size > MAX_FILE_SIZE:
                 raise pyfuse3.FUSEError(errno.EFBIG)
+            await self._recorded(node)
 
         def apply() -> None:
             """Every attribute asked for, saved in one commit (a truncation's own)."""
@@ -334,6 +375,58 @@ class Operations(pyfuse3.Operations):
                 self.store.resized(inode, attr.st_size)
             apply()
         return self._attr(node)
+
+    # -- set-user-ID and set-group-ID -------------------------------------------------------
+    # Cleared as on a local filesystem, which the kernel leaves to kvfs (the shim asks for
+    # FUSE_HANDLE_KILLPRIV_V2): by a write or a truncation whose caller lacks CAP_FSETID,
+    # and by any change of owner or group. Set-group-ID without group execute (the file does
+    # not run with the group's id) goes only for a caller outside the file's group, and not
+    # for one with CAP_FSETID (root, here) changing its owner.
+    def kill_suidgid(self, ino: int, uid: int, gid: int, pid: int, why: int) -> None:
+        """The kernel asks for it in the request the shim is about to dispatch (on the FUSE
+        thread, before the request's own handler)."""
+        try:
+            node = self.ns.inodes.get(ino)
+            if node is None or node.is_dir:
+                return
+            mode = self._setid_cleared(node, gid, pid, capable=why == Kill.CHOWN and uid == 0)
+            if mode == node.mode:
+                return
+            node.mode = mode
+            node.ctime_ns = time.time_ns()
+            self.ns.save(node)
+            if why == Kill.WRITE:  # (a SETATTR's reply carries the new mode)
+                with contextlib.suppress(OSError):  # ENOENT: the kernel has no copy
+                    pyfuse3.invalidate_inode(ino, attr_only=True)
+        except Exception:
+            log.exception("clearing set-user-ID and set-group-ID of inode %d", ino)
+
+    @staticmethod
+    def _setid_cleared(node: Inode, gid: int, pid: int, capable: bool) -> int:
+        """*node*'s mode without the set-id bits that go for the caller (fsgid *gid*)."""
+        mode = node.mode & ~stat.S_ISUID
+        if mode & stat.S_ISGID and (mode & stat.S_IXGRP or not capable and node.gid != gid
+                                    and node.gid not in _groups_of(pid)):
+            mode &= ~stat.S_ISGID
+        return mode
+
+    def _remove_privs(self, node: Inode, ctx) -> None:
+        """A SETATTR with nothing to set. The kernel sends one, having taken out the bits it
+        asks to clear, for chown(f, -1, -1), and for its file_remove_privs before a write it
+        makes without kvfs (passthrough) by a writer without CAP_FSETID. Either clears what
+        a chown would. A caller neither root nor the owner may not chown (EPERM, as on
+        tmpfs, if a bit would go): while the file is open for writing, it is taken for the
+        writer."""
+        if node.is_dir:
+            return
+        mode = self._setid_cleared(node, ctx.gid, ctx.pid, capable=ctx.uid == 0)
+        if mode == node.mode:
+            return
+        if ctx.uid not in (0, node.uid) and not any(
+                h.ino == node.ino and h.flags & os.O_ACCMODE != os.O_RDONLY
+                for h in self.handles.values()):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        node.mode = mode
 
     @_errors
     async def readlink(self, inode, ctx):
@@ -685,16 +778,17 @@ class Operations(pyfuse3.Operations):
 
     async def _open(self, inode, flags, ctx):
         await self._taken(inode)
-        node = self._current(self.ns.get(inode))
+        node = self.ns.get(inode)
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
         if node.nlink == 0 and inode in self._data_freed:
             # Unlinked, with no open, between the caller's lookup and this OPEN: its data is
             # gone. As if the unlink had come before the lookup, not an empty file.
             raise pyfuse3.FUSEError(errno.ENOENT)
-        if flags & os.O_TRUNC and node.size:
+        if flags & os.O_TRUNC and self._size(node):
             # libfuse negotiates atomic O_TRUNC: the kernel leaves truncation to open().
             self.revoke(inode)
+            await self._recorded(node)
             sized = self._sized(node)
             await self.store.truncate(inode, node.size, 0, on_commit=lambda: sized(0, False))
             self.crash.reached("truncated")
@@ -706,7 +800,7 @@ class Operations(pyfuse3.Operations):
         mode = await self._passthrough_mode(node, flags)
         if mode is not None and not mode[1] and not mode[2]:
             # The kernel reads it without us: the whole file counts as read now.
-            self.readahead.read(inode, 0, node.size, ctx.pid)
+            self.readahead.read_whole(inode, node.size, ctx.pid)
             self._offer_fast_open(node, ready=True)
         return self._open_handle(node, flags, ctx.pid, mode)
 
@@ -840,7 +934,7 @@ class Operations(pyfuse3.Operations):
         if h.flags & os.O_ACCMODE != os.O_RDONLY and node.nlink > 0:
             parent = self._parent(h.ino)
             if parent is not None:  # the size files written in that directory reach
-                self.stream_policy.closed(parent, self._current(node).size)
+                self.stream_policy.closed(parent, self._size(node))
         node.opens -= 1
         if not node.opens:
             self.store.end_read_through(h.ino)
@@ -944,7 +1038,7 @@ class Operations(pyfuse3.Operations):
     async def _take_now(self, ino: int) -> None:
         """Take *ino* now if it waits to be (an open or a truncation of it needs it taken).
         Until then it is still one the kernel writes: its size comes from its DRAM file
-        (`_current`) and it is not freed (`_maybe_free`)."""
+        (`_size`) and it is not freed (`_maybe_free`)."""
         if ino not in self._pending_takes:
             return
         del self._pending_takes[ino]
@@ -960,10 +1054,8 @@ class Operations(pyfuse3.Operations):
     @_errors
     async def fsync(self, fh, datasync):
         h = self.handles[fh]
-        node = self._current(self.ns.get(h.ino))
-        if h.ino in self.writers and h.ino not in self._finishing:
-            # what the kernel wrote so far becomes the file's chunks
-            await self.store.take_stream(h.ino, done=False, on_commit=self._sized(node))
+        node = self.ns.get(h.ino)
+        await self._recorded(node)  # what the kernel wrote so far becomes the file's chunks
         await self.store.fsync(h.ino, node.size)
 
     # -- directories -----------------------------------------------------------------------
@@ -1003,7 +1095,7 @@ class Operations(pyfuse3.Operations):
         s.f_bfree = s.f_bavail = max(0, cap - used) // BLOCK_SIZE
         s.f_files = max(1 << 24, 4 * len(self.ns.inodes))
         s.f_ffree = s.f_favail = s.f_files - len(self.ns.inodes)
-        s.f_namemax = 255
+        s.f_namemax = NAME_MAX
         return s
 
     @_errors
@@ -1027,7 +1119,7 @@ class Operations(pyfuse3.Operations):
     async def getxattr(self, inode, name, ctx):
         if self.control.handles(name):
             await self.finish_takes()  # `where` and `status` count closed files as taken
-            return self.control.get(inode, name[len(CONTROL_PREFIX):])
+            return self.control.get(inode, name[len(CONTROL_PREFIX):], ctx.uid)
         self.ns.get(inode)
         self._check_xattr_name(name)
         value = self.ns.getxattr(inode, name)
@@ -1051,28 +1143,39 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EOPNOTSUPP)  # without them
 
     # -- fallocate (called synchronously by kvfs._fuseshim, not by pyfuse3) ------------------
-    def fallocate_sync(self, ino: int, mode: int, offset: int, length: int, fh: int) -> int:
-        """fallocate(2) on the FUSE thread; returns an errno (0 = success).
+    def fallocate_sync(self, ino: int, mode: int, offset: int, length: int, fh: int,
+                       req: int = 0) -> int:
+        """fallocate(2) on the FUSE thread; returns an errno (0 = success), or -1 when it
+        answers *req* later itself (`reply_fallocate`).
 
         Mode 0 and FALLOC_FL_KEEP_SIZE reserve room for the range's holes (counted in statvfs
         and st_blocks), so later writes there cannot fail with ENOSPC; mode 0 also extends the
-        file. Punching and zeroing ranges answer EOPNOTSUPP, as on filesystems without them."""
+        file. PUNCH_HOLE (with KEEP_SIZE, as Linux requires) makes the range a hole, in a
+        task of its own: it may wait for NVMe reads. Zeroing, collapsing and inserting
+        ranges answer EOPNOTSUPP, as on tmpfs."""
         try:
-            node = self._current(self.ns.get(ino))
+            node = self.ns.get(ino)
             if not node.is_reg:
                 return errno.ENODEV if not node.is_dir else errno.EISDIR
-            if mode & ~FALLOC_FL_KEEP_SIZE:
+            punch = mode == FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+            if mode & ~FALLOC_FL_KEEP_SIZE and not (punch and self.spawn is not None
+                                                    and self.reply_fallocate is not None):
                 return errno.EOPNOTSUPP
             if offset < 0 or length <= 0:
                 return errno.EINVAL
             end = offset + length
             if end > MAX_FILE_SIZE:
                 return errno.EFBIG
+            if punch:
+                self.spawn(self._punch_hole_task, ino, offset, length, req)
+                return -1
             if length > self.store.capacity:
                 return errno.ENOSPC
             self.revoke(ino)
             self.store.allocate(ino, offset, length)
-            if not mode & FALLOC_FL_KEEP_SIZE and end > node.size:
+            if not mode & FALLOC_FL_KEEP_SIZE and ino in self.writers:
+                self.store.resized(ino, max(end, self._size(node)))  # its DRAM file: taken later
+            elif not mode & FALLOC_FL_KEEP_SIZE and end > node.size:
                 self.store.resized(ino, end)
                 node.resize(end, holes=True)  # reserved, not written: reads give zeros
                 node.mtime_ns = node.ctime_ns = time.time_ns()
@@ -1085,6 +1188,27 @@ class Operations(pyfuse3.Operations):
         except Exception:
             log.exception("fallocate failed")
             return errno.EIO
+
+    async def _punch_hole_task(self, ino: int, offset: int, length: int, req: int) -> None:
+        try:
+            await self.punch_hole(ino, offset, length)
+            err = 0
+        except pyfuse3.FUSEError as exc:
+            err = exc.errno
+        self.reply_fallocate(req, err)
+
+    @_errors
+    async def punch_hole(self, ino: int, offset: int, length: int) -> None:
+        await self._taken(ino)
+        node = self.ns.get(ino)
+        self.revoke(ino)
+
+        def punched() -> None:
+            node.resize(node.size, holes=True)
+            node.mtime_ns = node.ctime_ns = time.time_ns()
+            self.ns.save(node)
+
+        await self.store.punch(ino, offset, length, self._size(node), on_commit=punched)
 
     # -- cache-mode eviction -----------------------------------------------------------------
     def remove_file(self, ino: int) -> bool:

@@ -118,7 +118,9 @@ def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
     shadows = 0
     for k, v in meta.scan("shadows"):
         ino, c = from_key2(k)
-        _, seg, off, rec_len, raw_len, _, _, _, csum, seq = _LOC.unpack(v)
+        _, seg, off, rec_len, raw_len, _, _, _, csum, seq = _LOC.unpack(v[:_LOC.size])
+        if not seg:
+            continue  # the chunk was a hole (HOLE): no record to check
         if check_record(f"inode {ino} chunk {c} (shadow)", seg, off, rec_len, ino, c, seq,
                         raw_len, csum):
             shadows += 1

@@ -168,6 +168,10 @@ class Namespace:
             raise NamespaceError(errno.ENOENT) from None
 
     def lookup(self, parent: int, name: bytes) -> int | None:
+        # The kernel lets names up to 1024 bytes (FUSE_NAME_MAX) through to LOOKUP, which
+        # every call that takes a path starts with: past NAME_MAX this is where they fail.
+        if len(name) > NAME_MAX:
+            raise NamespaceError(errno.ENAMETOOLONG)
         if name == b".":
             return parent
         if name == b"..":

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import trio
 
-from kvfs.store.chunkstore import NoSpace
+from kvfs.store.chunkstore import FULL_RETRY_S, NoSpace
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +28,6 @@ Key = tuple[int, int]
 PROTECTED_SHARE = 0.8
 # When every DRAM chunk is one readahead wants, the demoter compares this many of the coldest.
 KEPT_SCAN = 256
-# While writing back fails (the NVMe tier full, its disk failing), the demoter tries again
-# this often, not at every kick: each try costs a compression and a failed write.
-RETRY_S = 1.0
 
 
 class DramPolicy:
@@ -195,7 +192,7 @@ class Demoter:
                 log.exception("demotion pass failed")
             self.store.notify_space()
             if self.store.nvme_full.on or self.store.nvme_failing.on:
-                await trio.sleep(RETRY_S)  # not once per kick: until the next try
+                await trio.sleep(FULL_RETRY_S)  # not once per kick: until the next try
 
     async def demote_until(self, mark: float) -> None:
         self.passes += 1

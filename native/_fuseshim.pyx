@@ -10,10 +10,14 @@ libfuse functions are found before libfuse's own when pyfuse3 calls them:
   pyfuse3's operation table (it calls a Python function synchronously on the FUSE thread)
   and hands the table to libfuse's own `fuse_session_new`.
 - pyfuse3's `write_buf` handler is wrapped: a write whose chunks all get fresh content (an
-  engine writing a block) is copied by libfuse straight from the request (spliced, when the
-  request came through a pipe) into the DRAM arena file, instead of into a bytes object
-  that kvfs then copies again (kvfs.fs.Operations.write_plan / write_done). Every other
-  write goes to pyfuse3's handler unchanged.
+  engine writing a block) is copied by libfuse straight from the request into the DRAM
+  arena file, instead of into a bytes object that kvfs then copies again
+  (kvfs.fs.Operations.write_plan / write_done). Every other write goes to pyfuse3's handler
+  unchanged.
+- `fuse_session_process_buf`: the flags by which the kernel asks the server to clear
+  set-user-ID and set-group-ID (which neither libfuse nor pyfuse3 pass on) are read from
+  each request before it is dispatched; requests are never spliced, so that each is in
+  memory to be read.
 - pyfuse3's `read` handler and the write path check O_DIRECT alignment against the flags
   each READ and WRITE carries (the descriptor's flags now, so O_DIRECT set later with
   fcntl(F_SETFL) counts too) and answer EINVAL to unaligned offsets and lengths, as ext4
@@ -41,6 +45,7 @@ cdef extern from *:
     #include <dlfcn.h>
     #include <errno.h>
     #include <fcntl.h>
+    #include <stdint.h>
     #include <string.h>
     #include <fuse_lowlevel.h>
 
@@ -48,14 +53,16 @@ cdef extern from *:
     static struct fuse_lowlevel_ops kvfs_ops;
     static int kvfs_shim_active = 0;
 
+    /* The handler answers an errno (0: done), or -1: it replies later itself, through
+       kvfs_fallocate_reply (a punched hole waits for NVMe reads in a trio task). */
     static void kvfs_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, off_t offset,
                                off_t length, struct fuse_file_info *fi) {
         int err = EOPNOTSUPP;
         PyGILState_STATE gil = PyGILState_Ensure();
         if (kvfs_fallocate_handler != NULL) {
-            PyObject *r = PyObject_CallFunction(kvfs_fallocate_handler, "KiLLK",
+            PyObject *r = PyObject_CallFunction(kvfs_fallocate_handler, "KiLLKK",
                 (unsigned long long)ino, mode, (long long)offset, (long long)length,
-                (unsigned long long)(fi ? fi->fh : 0));
+                (unsigned long long)(fi ? fi->fh : 0), (unsigned long long)(uintptr_t)req);
             if (r == NULL) {
                 PyErr_WriteUnraisable(kvfs_fallocate_handler);
                 err = EIO;
@@ -67,7 +74,12 @@ cdef extern from *:
             }
         }
         PyGILState_Release(gil);
-        fuse_reply_err(req, err);
+        if (err >= 0)
+            fuse_reply_err(req, err);
+    }
+
+    static void kvfs_fallocate_reply(unsigned long long req, int err) {
+        fuse_reply_err((fuse_req_t)(uintptr_t)req, err);
     }
 
     /* Writes into DRAM: see Operations.write_plan. The plan is (token, fd, ((pos, len), ...));
@@ -78,6 +90,18 @@ cdef extern from *:
        kept by the namespace): one Python request less per file written. */
     static int kvfs_no_caps = 0;
     static void (*kvfs_pyfuse3_getxattr)(fuse_req_t, fuse_ino_t, const char *, size_t) = NULL;
+
+    /* Every request is read into memory, none left in a pipe by splice (which libfuse does
+       for big WRITEs when the filesystem has write_buf): the set-id kill flags of a WRITE
+       are in its header, which fuse_session_process_buf below must see. The front thread
+       reads requests into memory anyway. */
+    static void (*kvfs_pyfuse3_init)(void *, struct fuse_conn_info *) = NULL;
+
+    static void kvfs_init(void *userdata, struct fuse_conn_info *conn) {
+        if (kvfs_pyfuse3_init != NULL)
+            kvfs_pyfuse3_init(userdata, conn);
+        conn->want &= ~FUSE_CAP_SPLICE_READ;
+    }
 
     static void kvfs_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name, size_t size) {
         if (kvfs_no_caps && strcmp(name, "security.capability") == 0) {
@@ -228,6 +252,8 @@ cdef extern from *:
             kvfs_pyfuse3_getxattr = kvfs_ops.getxattr;
             kvfs_ops.getxattr = kvfs_getxattr;
         }
+        kvfs_pyfuse3_init = kvfs_ops.init;
+        kvfs_ops.init = kvfs_init;
         return real(args, &kvfs_ops, sizeof kvfs_ops, userdata);
     }
 
@@ -270,17 +296,18 @@ cdef extern from *:
 
     /* -- FUSE passthrough (Linux 6.9+), which libfuse 3.14 does not know -------------------
        fuse_session_mount is wrapped to route the session's traffic through custom I/O
-       functions (fuse_session_custom_io) that are plain read/writev/splice, except that
-       kvfs_writev edits two kinds of reply on their way to the kernel:
-       - the INIT reply (the session's first) asks for FUSE_PASSTHROUGH with a stack depth
-         of 1 (backing files live on tmpfs, depth 0), and for FUSE_HANDLE_KILLPRIV_V2, with
-         which the kernel marks the mount SB_NOSEC: before a passthrough write it asks
+       functions (fuse_session_custom_io) that are plain read/writev/splice (no splice of
+       requests: see kvfs_init), except that kvfs_writev edits two kinds of reply on their
+       way to the kernel:
+       - the INIT reply (the session's first) asks for FUSE_HANDLE_KILLPRIV_V2 (which
+         libfuse 3.14 does not know either), and, if passthrough is wanted, for
+         FUSE_PASSTHROUGH with a stack depth of 1 (backing files live on tmpfs, depth 0).
+         With the first, clearing set-user-ID and set-group-ID on write, truncation and
+         chown is the server's, and the kernel says when (fuse_session_process_buf below);
+         and it marks the mount SB_NOSEC: before a passthrough write the kernel asks
          getxattr("security.capability") once per inode (then sets S_NOSEC on it), not before
          every write, which made each 4 KiB write of a stdio writer a round trip to the
-         daemon (45 us instead of ~2). The flag also leaves clearing setuid/setgid on write to
-         the server, which kvfs does not do; nor did it for its direct_io writes before (the
-         kernel sends those as FUSE_WRITE_KILL_SUIDGID, which pyfuse3 does not pass on), and a
-         FUSE mount is nosuid: the bits mean nothing here;
+         daemon (45 us instead of ~2);
        - an OPEN or CREATE reply whose fh was marked with kvfs_pt_mark gets
          FOPEN_PASSTHROUGH and the backing id: the kernel then reads and writes that open
          file straight from the backing file, without a request to the daemon. */
@@ -328,13 +355,14 @@ cdef extern from *:
             if (!kvfs_init_seen) {
                 kvfs_init_seen = 1;
                 struct kvfs_init_out *init = (struct kvfs_init_out *)iov[1].iov_base;
-                if (kvfs_pt_wanted && out->error == 0 &&
-                        iov[1].iov_len >= sizeof(struct kvfs_init_out) && init->major == 7 &&
-                        (init->flags & KVFS_INIT_EXT)) {
-                    init->flags2 |= KVFS_PASSTHROUGH_HI;
-                    init->max_stack_depth = 1;
+                if (out->error == 0 && iov[1].iov_len >= sizeof(struct kvfs_init_out) &&
+                        init->major == 7) {
                     init->flags |= KVFS_HANDLE_KILLPRIV_V2;
-                    kvfs_pt_granted = 1;
+                    if (kvfs_pt_wanted && (init->flags & KVFS_INIT_EXT)) {
+                        init->flags2 |= KVFS_PASSTHROUGH_HI;
+                        init->max_stack_depth = 1;
+                        kvfs_pt_granted = 1;
+                    }
                 }
             } else if (kvfs_pt_reply_off != (size_t)-1 && out->error == 0 &&
                        iov[1].iov_len >= kvfs_pt_reply_off + sizeof(struct kvfs_open_out)) {
@@ -354,12 +382,6 @@ cdef extern from *:
         return read(fd, buf, len);
     }
 
-    static ssize_t kvfs_io_splice_receive(int fdin, off_t *offin, int fdout, off_t *offout,
-                                          size_t len, unsigned int flags, void *ud) {
-        (void)ud;
-        return splice(fdin, offin, fdout, offout, len, flags);
-    }
-
     static ssize_t kvfs_io_splice_send(int fdin, off_t *offin, int fdout, off_t *offout,
                                        size_t len, unsigned int flags, void *ud) {
         (void)ud;
@@ -369,7 +391,6 @@ cdef extern from *:
     static const struct fuse_custom_io kvfs_io = {
         .writev = kvfs_io_writev,
         .read = kvfs_io_read,
-        .splice_receive = kvfs_io_splice_receive,
         .splice_send = kvfs_io_splice_send,
     };
 
@@ -387,7 +408,7 @@ cdef extern from *:
         kvfs_dev_fd = fuse_session_fd(se);
         kvfs_init_seen = 0;
         kvfs_pt_granted = 0;
-        if (kvfs_pt_wanted && fuse_session_custom_io(se, &kvfs_io, kvfs_dev_fd) != 0)
+        if (fuse_session_custom_io(se, &kvfs_io, kvfs_dev_fd) != 0)
             kvfs_pt_wanted = 0;
         if (kvfs_front_wanted && kvfs_front_start(se, kvfs_dev_fd) != 0)
             kvfs_front_wanted = 0;
@@ -1035,6 +1056,74 @@ cdef extern from *:
         free(m);
     }
 
+    /* -- set-user-ID and set-group-ID cleared on write, truncation and chown ---------------
+       With FUSE_HANDLE_KILLPRIV_V2 (asked for at INIT, see kvfs_io_writev) the server clears
+       them, as the kernel does on local filesystems. The kernel flags what needs it: a WRITE
+       and an OPEN with O_TRUNC by a caller without CAP_FSETID (FUSE_WRITE_KILL_SUIDGID,
+       FUSE_OPEN_KILL_SUIDGID), a SETATTR that truncates by one, or changes the owner or
+       group, by anyone (FATTR_KILL_SUIDGID). libfuse 3.14 passes none of these flags on but
+       the last, which pyfuse3 drops: this wrapper reads them from each request in memory
+       (see kvfs_init) as it is dispatched, and first calls the kill handler
+       (`set_kill_handler`). */
+    #define KVFS_FUSE_SETATTR 4
+    #define KVFS_FUSE_WRITE 16
+    #define KVFS_FATTR_UID (1u << 1)
+    #define KVFS_FATTR_GID (1u << 2)
+    #define KVFS_FATTR_KILL_SUIDGID (1u << 11)
+    #define KVFS_WRITE_KILL_SUIDGID (1u << 2)
+    #define KVFS_OPEN_KILL_SUIDGID (1u << 0)
+    enum { KVFS_KILL_WRITE, KVFS_KILL_TRUNCATE, KVFS_KILL_CHOWN };  /* = kvfs.fs.Kill */
+    static PyObject *kvfs_kill_fn = NULL;
+
+    /* The word at *at* of the request's argument (after the header), if it has one. */
+    static int kvfs_arg_u32(const char *mem, size_t n, size_t at, uint32_t *v) {
+        if (n < sizeof(struct kvfs_in_header) + at + sizeof *v)
+            return 0;
+        memcpy(v, mem + sizeof(struct kvfs_in_header) + at, sizeof *v);
+        return 1;
+    }
+
+    static void kvfs_kill_check(const char *mem, size_t n) {
+        const struct kvfs_in_header *h = (const struct kvfs_in_header *)mem;
+        uint32_t v;
+        int why;
+        if (h->opcode == KVFS_FUSE_WRITE) {  /* fuse_write_in: fh, offset, size, write_flags */
+            if (!kvfs_arg_u32(mem, n, 20, &v) || !(v & KVFS_WRITE_KILL_SUIDGID))
+                return;
+            why = KVFS_KILL_WRITE;
+        } else if (h->opcode == KVFS_FUSE_OPEN) {  /* fuse_open_in: flags, open_flags */
+            if (!kvfs_arg_u32(mem, n, 4, &v) || !(v & KVFS_OPEN_KILL_SUIDGID))
+                return;
+            why = KVFS_KILL_WRITE;
+        } else if (h->opcode == KVFS_FUSE_SETATTR) {  /* fuse_setattr_in: valid first */
+            if (!kvfs_arg_u32(mem, n, 0, &v) || !(v & KVFS_FATTR_KILL_SUIDGID))
+                return;
+            why = v & (KVFS_FATTR_UID | KVFS_FATTR_GID) ? KVFS_KILL_CHOWN : KVFS_KILL_TRUNCATE;
+        } else {
+            return;
+        }
+        kvfs_call(kvfs_kill_fn, "(KIIIi)", (unsigned long long)h->nodeid, (unsigned int)h->uid,
+                  (unsigned int)h->gid, (unsigned int)h->pid, why);
+    }
+
+    typedef void (*kvfs_process_buf_t)(struct fuse_session *, const struct fuse_buf *);
+
+    void fuse_session_process_buf(struct fuse_session *se, const struct fuse_buf *buf) {
+        static kvfs_process_buf_t real = NULL;
+        if (real == NULL)
+            real = (kvfs_process_buf_t)kvfs_next("fuse_session_process_buf");
+        if (kvfs_kill_fn != NULL && !(buf->flags & FUSE_BUF_IS_FD)
+                && buf->size >= sizeof(struct kvfs_in_header))
+            kvfs_kill_check((const char *)buf->mem, buf->size);
+        real(se, buf);
+    }
+
+    static void kvfs_set_kill_handler(PyObject *fn) {
+        Py_XINCREF(fn);
+        Py_XDECREF(kvfs_kill_fn);
+        kvfs_kill_fn = fn;
+    }
+
     typedef int (*kvfs_receive_t)(struct fuse_session *, struct fuse_buf *);
 
     int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf) {
@@ -1235,6 +1324,7 @@ cdef extern from *:
     int kvfs_backing_close(int id)
     void kvfs_pt_mark(unsigned long long fh, int id, int direct)
     void kvfs_set_handler(object fn)
+    void kvfs_fallocate_reply(unsigned long long req, int err)
     void kvfs_set_write_handlers(object plan, object done)
     int kvfs_front_wanted
     int kvfs_front_on
@@ -1245,6 +1335,7 @@ cdef extern from *:
     int kvfs_set_hot_limit(int n)
     unsigned long long kvfs_open_count(int parked)
     void kvfs_set_opened_handler(object fn)
+    void kvfs_set_kill_handler(object fn)
     void kvfs_set_read_handler(object fn, unsigned long long chunk_size)
     int kvfs_ahead_offer(unsigned long long ino, unsigned long long chunk, const char *data,
                          unsigned int length)
@@ -1253,9 +1344,15 @@ cdef extern from *:
 
 
 def set_fallocate_handler(handler) -> None:
-    """handler(ino, mode, offset, length, fh) -> errno (0 for success); runs on the FUSE
-    thread with the GIL held and must not block."""
+    """handler(ino, mode, offset, length, fh, req) -> errno (0 for success), or -1 if it
+    will answer *req* later with `fallocate_reply`; runs on the FUSE thread with the GIL
+    held and must not block."""
     kvfs_set_handler(handler)
+
+
+def fallocate_reply(unsigned long long req, int err) -> None:
+    """Answer a fallocate request the handler deferred (once, from the trio thread)."""
+    kvfs_fallocate_reply(req, err)
 
 
 def set_write_handlers(plan, done) -> None:
@@ -1268,6 +1365,15 @@ def set_write_handlers(plan, done) -> None:
 def active() -> bool:
     """True once pyfuse3's session was created through this module's fuse_session_new."""
     return kvfs_shim_active != 0
+
+
+def set_kill_handler(handler) -> None:
+    """handler(ino, uid, gid, pid, why): the request about to be dispatched asks the server
+    to clear the set-user-ID and set-group-ID bits of *ino* (why: 0 a write, or an open with
+    O_TRUNC, by a caller without CAP_FSETID; 1 a truncation by one; 2 a change of owner or
+    group, by anyone), for the caller with those ids. Runs on the FUSE thread with the GIL
+    held, before the request's own handler; must not block or raise."""
+    kvfs_set_kill_handler(handler)
 
 
 def want_passthrough(on: bool) -> None:

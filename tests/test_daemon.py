@@ -3,9 +3,12 @@ of mounting (kvfs mount, mount.kvfs, mount -t fuse.kvfs, fstab) works."""
 
 from __future__ import annotations
 
+import errno
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -70,6 +73,59 @@ def test_bad_paths(dirs, tmp_path):
         assert message in r.stderr, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1
     assert not os.path.exists(nvme)
+
+
+def _mounted(path) -> bool:
+    """(os.path.ismount says False for a dead FUSE mount: its stat fails.)"""
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == os.path.realpath(path) for line in f)
+
+
+def test_a_dead_mount_is_named_as_such_and_umount_clears_it(dirs):
+    mnt, dram, nvme = dirs
+    mount = KVFS + ["mount", str(mnt), "--dram-dir", dram, "--nvme-dir", str(nvme),
+                    "--dram-size", "8M", "--nvme-size", "256M"]
+    assert _run(mount).returncode == 0
+    (mnt / "kept").write_bytes(b"written before the crash")
+    os.kill(int((nvme / "lock").read_text()), signal.SIGKILL)
+    for _ in range(200):
+        try:
+            os.stat(mnt)
+        except OSError as exc:
+            if exc.errno == errno.ENOTCONN:
+                break
+        time.sleep(0.02)
+    r = _run(mount)
+    assert r.returncode != 0
+    assert "is a dead kvfs mount" in r.stderr and f"kvfs umount {mnt}" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = _run(KVFS + ["umount", str(mnt)])
+    assert r.returncode == 0, r.stderr
+    assert "dead mount" in r.stderr
+    assert not _mounted(mnt)
+    assert _run(mount).returncode == 0
+    assert (mnt / "kept").read_bytes() == b"written before the crash"
+    assert _run(KVFS + ["umount", str(mnt)]).returncode == 0
+
+
+def test_a_segment_the_daemon_may_not_open_is_named(dirs):
+    mnt, dram, nvme = dirs
+    mount = KVFS + ["mount", str(mnt), "--dram-dir", dram, "--nvme-dir", str(nvme),
+                    "--dram-size", "8M", "--nvme-size", "256M"]
+    assert _run(mount).returncode == 0
+    (mnt / "x").write_bytes(os.urandom(3 << 20))
+    assert _run(KVFS + ["umount", str(mnt)]).returncode == 0
+    segment = sorted((nvme / "segments").iterdir())[0]
+    if _run(["chattr", "+i", str(segment)]).returncode != 0:  # (even root may not write it)
+        pytest.skip("no immutable files on this filesystem")
+    try:
+        r = _run(mount)
+    finally:
+        _run(["chattr", "-i", str(segment)])
+    assert r.returncode != 0
+    assert f"{segment}: Operation not permitted" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not _mounted(mnt)
 
 
 def test_mount_helper_and_umount(dirs):

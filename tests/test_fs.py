@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import json
 import mmap
 import os
 import random
@@ -67,6 +69,39 @@ def test_sparse_and_offsets(kv):
     assert os.preadv(fd, [bytearray(4096), bytearray(4096)], 65536 - 4096) == 8192
     assert os.pread(fd, 8192, 65536 - 4096) == b"a" * 4096 + b"b" * 4096
     os.close(fd)
+
+
+def test_a_sparse_file_of_the_largest_size(kv):
+    """2**50 bytes (1 PiB; ext4 with 4 KiB blocks stops at 16 TiB - 4 KiB, tmpfs at 2**63 - 1):
+    what kvfs does for a file goes by the chunks it holds, never by its size (a loop over
+    the 2**34 chunk numbers of this one never ends)."""
+    top = 1 << 50
+    p = kv.path / "huge"
+    fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        os.pwrite(fd, b"e" * 5000, top - 5000)
+        os.pwrite(fd, b"s" * 5000, 0)
+        assert _err(os.pwrite, fd, b"x", top) == errno.EFBIG
+        assert _err(os.ftruncate, fd, top + 1) == errno.EFBIG
+        assert _err(os.posix_fallocate, fd, top - 4096, 8192) == errno.EFBIG
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert os.stat(p).st_size == top
+    with open(p, "rb") as f:  # all in DRAM: the kernel reads it (passthrough)
+        assert os.pread(f.fileno(), 5000, top - 5000) == b"e" * 5000
+        assert os.pread(f.fileno(), 100, top // 2) == bytes(100)
+    os.setxattr(p, "user.kvfs.prefetch", b"1")
+    kv.unmount()
+    kv.start()
+    with open(p, "rb") as f:
+        assert os.pread(f.fileno(), 5000, 0) == b"s" * 5000
+        assert os.pread(f.fileno(), 5000, top - 5000) == b"e" * 5000
+    os.truncate(p, top // 2)
+    os.truncate(p, top)
+    with open(p, "rb") as f:
+        assert os.pread(f.fileno(), 5000, top - 5000) == bytes(5000)
+    p.unlink()
 
 
 def test_truncate_shrink_and_grow(kv):
@@ -466,6 +501,47 @@ def test_names(kv):
     assert _err(open, kv.path / ("y" * 256), "wb") == errno.ENAMETOOLONG
 
 
+def test_every_call_that_takes_a_name_past_name_max_is_enametoolong(kv):
+    """As on tmpfs and ext4; the kernel itself only stops names past 1024 bytes."""
+    long = kv.path / ("n" * 256)
+    f, d = kv.path / "f", kv.path / "d"
+    f.write_bytes(b"1")
+    d.mkdir()
+    calls = {
+        "open": lambda: open(long, "rb"),
+        "create": lambda: open(long, "wb"),
+        "creat-excl": lambda: os.open(long, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644),
+        "mkdir": lambda: os.mkdir(long),
+        "mkfifo": lambda: os.mkfifo(long),
+        "rmdir": lambda: os.rmdir(long),
+        "unlink": lambda: os.unlink(long),
+        "rename-from": lambda: os.rename(long, kv.path / "x"),
+        "rename-to": lambda: os.rename(f, long),
+        "rename-dir-to": lambda: os.rename(d, long),
+        "link-from": lambda: os.link(long, kv.path / "y"),
+        "link-to": lambda: os.link(f, long),
+        "symlink": lambda: os.symlink("f", long),
+        "readlink": lambda: os.readlink(long),
+        "chmod": lambda: os.chmod(long, 0o600),
+        "chown": lambda: os.chown(long, 1, 1),
+        "truncate": lambda: os.truncate(long, 0),
+        "stat": lambda: os.stat(long),
+        "lstat": lambda: os.lstat(long),
+        "utime": lambda: os.utime(long),
+        "listdir": lambda: os.listdir(long),
+        "statvfs": lambda: os.statvfs(long),
+        "below it": lambda: os.stat(long / "x"),
+        "setxattr": lambda: os.setxattr(long, "user.a", b"1"),
+        "getxattr": lambda: os.getxattr(long, "user.a"),
+        "listxattr": lambda: os.listxattr(long),
+        "removexattr": lambda: os.removexattr(long, "user.a"),
+    }
+    got = {what: _err(call) for what, call in calls.items()}
+    assert got == {what: errno.ENAMETOOLONG for what in calls}
+    assert sorted(os.listdir(kv.path)) == ["d", "f"]
+    assert os.statvfs(kv.path).f_namemax == 255
+
+
 def test_statvfs_and_blocks(kv):
     st = os.statvfs(kv.path)
     assert st.f_bsize == 4096 and st.f_frsize == 4096
@@ -593,6 +669,59 @@ def test_fallocate_reserves_space(kv):
     os.unlink(kv.path / "reserved")
     time.sleep(0.5)
     (kv.path / "after").write_bytes(os.urandom(4 << 20))  # the reservation is returned
+
+
+FALLOC_PUNCH = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+
+
+def _punch(fd: int, off: int, length: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    if libc.fallocate(fd, FALLOC_PUNCH, off, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+@pytest.mark.parametrize("tier", ["dram", "nvme"])
+def test_punched_holes_read_as_zeros_as_on_tmpfs(kv, tier, tmp_path):
+    """fallocate(PUNCH_HOLE) frees and zeroes a range and keeps the size (Dynamo-style block
+    files free space so): whole chunks go, the chunks it cuts into are zeroed there; the
+    same punches on tmpfs give the same bytes, through a remount, a crash and fsck."""
+    data = os.urandom(5 * 65536 + 1234)
+    ref = Path(tempfile.mkdtemp(dir="/dev/shm")) / "ref"
+    try:
+        ref.write_bytes(data)
+        (kv.path / "f").write_bytes(data)
+        if tier == "nvme":
+            kv.unmount()
+            kv.lose_dram()
+            kv.start()
+        punches = [(65536, 65536), (3 * 65536 - 100, 300), (10, 20), (4 * 65536, 1 << 20),
+                   (6 << 20, 4096)]
+        fds = [os.open(p, os.O_RDWR) for p in (ref, kv.path / "f")]
+        try:
+            for off, n in punches:
+                for fd in fds:
+                    _punch(fd, off, n)
+            os.fsync(fds[1])
+            assert os.fstat(fds[1]).st_size == len(data)
+            assert os.fstat(fds[1]).st_blocks < os.fstat(fds[0]).st_blocks + 64
+        finally:
+            for fd in fds:
+                os.close(fd)
+        want = ref.read_bytes()
+        assert (kv.path / "f").read_bytes() == want
+        kv.kill()
+        kv.lose_dram()  # fsynced: the holes survive the loss of DRAM
+        kv.start()
+        assert (kv.path / "f").read_bytes() == want
+        kv.unmount()
+        r = kv.fsck()
+        assert r.returncode == 0, r.stdout
+    finally:
+        shutil.rmtree(ref.parent)
 
 
 # -- FUSE passthrough: reads served by the kernel straight from a file's DRAM file ----------
@@ -1193,6 +1322,168 @@ def test_security_capability_is_answered_truthfully(kv):
     kv.unmount()
     kv.start()
     assert os.getxattr(p, "security.capability") == value
+
+
+# Owners and callers of the set-id tests: none of them root but the first.
+_OWNER, _OTHER, _GROUP, _GROUP2 = 2000, 3000, 2000, 2001
+_CALLERS = {"root": None, "owner": (_OWNER, _GROUP, [_GROUP, _GROUP2]),
+            "in group": (_OTHER, _OTHER, [_GROUP]), "other": (_OTHER, _OTHER, [])}
+
+
+def _as(caller, fn, cwd) -> int:
+    """fn() in directory *cwd* (its ancestors may be closed to others) as *caller* (uid,
+    gid, groups; None: root) in a child process: 0, or the errno it failed with."""
+    pid = os.fork()
+    if pid == 0:
+        code = 255
+        try:
+            os.chdir(cwd)
+            if caller is not None:
+                os.setgroups(caller[2])
+                os.setgid(caller[1])
+                os.setuid(caller[0])
+            fn()
+            code = 0
+        except OSError as exc:
+            code = exc.errno
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def _pwrite(p, data: bytes, off: int) -> None:
+    fd = os.open(p, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, off)
+    finally:
+        os.close(fd)
+
+
+def _ftruncate(p, size: int) -> None:
+    fd = os.open(p, os.O_WRONLY)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _statx_mode(p) -> int:
+    """The mode as the kernel has it cached (statx for the mode alone asks no daemon)."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(256)  # struct statx; stx_mode at offset 28
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.statx(-100, os.fsencode(p), 0, 0x3, buf) == 0, ctypes.get_errno()
+    return int.from_bytes(buf.raw[28:30], "little")
+
+
+_SETID_OPS = {
+    "write": lambda p: _pwrite(p, b"z", 0),
+    "big write": lambda p: _pwrite(p, os.urandom(1 << 20), 1 << 20),
+    "ftruncate": lambda p: _ftruncate(p, 10),
+    "truncate": lambda p: os.truncate(p, 20),
+    "O_TRUNC": lambda p: os.close(os.open(p, os.O_WRONLY | os.O_TRUNC)),
+    "chgrp": lambda p: os.chown(p, -1, _GROUP2),
+    "chown -1 -1": lambda p: os.chown(p, -1, -1),
+}
+
+
+def _setid_after(directory: Path) -> dict:
+    """What each operation by each caller leaves of the set-id bits of files of each mode."""
+    out = {}
+    for op, do in _SETID_OPS.items():
+        for who, caller in _CALLERS.items():
+            for mode in (0o4777, 0o2777, 0o2767, 0o6777, 0o6767):
+                p = directory / f"{op}-{who}-{mode:o}"
+                p.write_bytes(b"x" * 100)
+                os.chown(p, _OWNER, _GROUP)
+                os.chmod(p, mode)
+                err = _as(caller, functools.partial(do, p.name), directory)
+                out[op, who, oct(mode)] = (oct(stat.S_IMODE(os.stat(p).st_mode)),
+                                           oct(stat.S_IMODE(_statx_mode(p))), err)
+                p.unlink()
+    return out
+
+
+@pytest.mark.parametrize("passthrough", ["1", "0"])
+def test_writes_truncations_and_chowns_clear_setid_bits_as_on_tmpfs(mount_factory,
+                                                                       passthrough):
+    """Whoever writes or truncates (root excepted) and whoever changes the owner or group
+    clears set-user-ID, and set-group-ID as the kernel decides (with group execute, or for
+    a caller outside the group): a set-uid binary written by someone else on a shared
+    mount would otherwise run with its owner's rights wherever it is copied."""
+    kv = mount_factory(passthrough=passthrough)
+    os.chmod(kv.path, 0o777)
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as ref:
+        os.chmod(ref, 0o777)
+        want = _setid_after(Path(ref))
+    assert want["write", "other", "0o6777"] == ("0o777", "0o777", 0)  # (the kernel's rules)
+    assert want["chown -1 -1", "other", "0o4777"] == ("0o4777", "0o4777", errno.EPERM)
+    assert _setid_after(kv.path) == want
+
+
+def test_a_write_the_kernel_makes_itself_clears_setid_bits(kv):
+    """A new file a writer writes straight into DRAM (passthrough): the kernel's own
+    file_remove_privs asks kvfs with a SETATTR that has nothing to set."""
+    d = kv.path / "pt"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    p = d / "f"
+
+    def write() -> None:
+        Path("first").write_bytes(b"x" * 8192)  # later files of the directory are streamed
+        fd = os.open("f", os.O_WRONLY | os.O_CREAT, 0o755)
+        try:
+            os.fchmod(fd, 0o4755)
+            os.write(fd, b"a" * 4096)
+            assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o755
+        finally:
+            os.close(fd)
+
+    assert _as(_CALLERS["other"], write, d) == 0
+    assert "dram" in kv.tiers("pt/f")
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o755
+    os.chown(p, _OWNER, _GROUP)
+    os.chmod(p, 0o4777)  # chown(f, -1, -1) is the other such SETATTR: only for the owner
+    assert _as(_CALLERS["other"], lambda: os.chown("f", -1, -1), d) == errno.EPERM
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o4777
+    assert _as(None, lambda: os.chown("f", -1, -1), d) == 0
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o777
+
+
+def test_every_chown_moves_ctime(kv):
+    """Root's chown and fchown, the owner's chgrp, and chown(f, -1, -1), which changes
+    nothing else: each is a SETATTR, and ctime moves with every one."""
+    p = kv.path / "owned"
+    p.write_bytes(b"x" * 100)
+    before = os.stat(p).st_ctime_ns
+    for change in (lambda: os.chown(p, _OWNER, _GROUP), lambda: os.chown(p, -1, -1),
+                   lambda: _as(_CALLERS["owner"], lambda: os.chown("owned", -1, _GROUP2),
+                               kv.path),
+                   lambda: _as(_CALLERS["owner"], lambda: os.chown("owned", -1, -1),
+                               kv.path)):
+        assert not change()
+        after = os.stat(p).st_ctime_ns
+        assert after > before
+        before = after
+    with open(p, "rb") as f:
+        os.fchown(f.fileno(), 0, 0)
+        assert os.fstat(f.fileno()).st_ctime_ns > before
+    assert (os.stat(p).st_uid, os.stat(p).st_gid) == (0, 0)
+
+
+def test_status_shows_the_tier_directories_only_to_root(kv):
+    """kvfsctl status: anyone may see how the tiers do, only root (or the daemon's user)
+    where they are."""
+    settings = kv.status()["settings"]
+    assert settings["dram_dir"] == str(kv.dram_dir) and settings["nvme_dir"] == str(kv.nvme_dir)
+
+    def status_of_another_user() -> None:
+        st = json.loads(os.getxattr(".", "user.kvfs.status"))
+        assert st["settings"] == {"chunk_size": 65536, "cache_mode": False}
+        assert str(kv.nvme_dir) not in json.dumps(st) and str(kv.dram_dir) not in json.dumps(st)
+
+    assert _as(_CALLERS["other"], status_of_another_user, kv.path) == 0
 
 
 def _ram_of(directory) -> int:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import subprocess
 import sys
@@ -76,7 +77,8 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                         "files, but a sparse file's scattered chunks take 2 MiB each), "
                         "read_through_min= (files at least this long, default 4M, 0 for "
                         "none, are read from NVMe through the daemon with read-ahead "
-                        "instead of being staged whole in DRAM first)")
+                        "instead of being staged whole in DRAM first), meta_size= (most "
+                        "the metadata may grow to, default 64G)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -97,8 +99,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def umount(mountpoint: str, timeout: float = 120.0) -> int:
     """Unmount and wait until the daemon has written back and exited; 1 (and what the
-    daemon said) if it could not write everything back."""
+    daemon said) if it could not write everything back. A dead mount (its daemon gone,
+    every access ENOTCONN) is detached, as nothing is left to write back."""
     mp = os.path.abspath(mountpoint)
+    try:
+        os.stat(mp)
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            return _detach_dead(mp)
     pid, lock = _daemon(mp)
     r = subprocess.run(["fusermount3", "-u", mp], capture_output=True, text=True)
     if r.returncode != 0:
@@ -114,6 +122,18 @@ def umount(mountpoint: str, timeout: float = 120.0) -> int:
     if pid:
         sys.stderr.write(f"kvfs: daemon {pid} still running after {timeout:.0f}s\n")
         return 1
+    return 0
+
+
+def _detach_dead(mp: str) -> int:
+    """Lazily unmount *mp*, a mount whose daemon is gone: what it held is in the tiers,
+    where the next mount finds it."""
+    r = subprocess.run(["fusermount3", "-u", "-z", mp], capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.stderr.write(f"kvfs: {r.stderr.strip() or 'fusermount3 failed'}\n")
+        return 1
+    sys.stderr.write(f"kvfs: {mp} was a dead mount (its daemon was gone): detached it; "
+                     "mount again to get back what it held\n")
     return 0
 
 

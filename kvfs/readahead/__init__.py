@@ -156,13 +156,22 @@ class Readahead:
         for c in range(off // cs, (end - 1) // cs + 1):
             self._read(pid, (ino, c), now)
 
+    def read_whole(self, ino: int, size: int, pid: int) -> None:
+        """The kernel reads *ino* without kvfs (passthrough): each of its chunks counts as
+        read, not its holes (a sparse file may be far bigger than what it holds)."""
+        if not self.enabled:
+            return
+        now = self.clock()
+        for c in self.store.index.chunks_of(ino, self._nchunks(ino, size)):
+            self._read(pid, (ino, c), now)
+
     def closed(self, ino: int, pid: int) -> None:
         if ino in self._heads:
             # A file written at the start of a caller's run: nothing before it predicts it,
             # so when it is read again, no prefetch will have brought it in. Treat its
             # chunks like a read hit that prediction did not see coming (protected).
             self._heads.discard(ino)
-            for c in range(self._nchunks(ino)):
+            for c in self.store.index.chunks_of(ino, self._nchunks(ino)):  # not its holes
                 loc = self.store.get(ino, c)
                 if loc is not None and loc.dram_slot >= 0:
                     self.store.policy.hit((ino, c))
@@ -188,7 +197,7 @@ class Readahead:
             self.hints_ignored += 1
             return
         now = self.clock()
-        for c in range(self._nchunks(ino, size)):
+        for c in self.store.index.chunks_of(ino, self._nchunks(ino, size)):  # not its holes
             key = (ino, c)
             if self.hints.add(key, now):
                 self.sched.want(key, HINT, now, KIND_HINT)

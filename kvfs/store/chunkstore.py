@@ -89,6 +89,7 @@ IN_DRAM = 0  # dram_slot of a chunk with a DRAM copy (format 3: the region is im
 STREAM_USER = 0
 STREAM_GC = 1
 _LOC = struct.Struct("<qIQIIIBBQQ")
+_U32 = struct.Struct("<I")
 # Hashing this much inline (~30 us) is cheaper than a round trip to a worker thread.
 INLINE_HASH_BYTES = 512 << 10
 # ... and from this much on, two worker threads hash a file's halves at once.
@@ -133,6 +134,10 @@ WRITEBACK_BATCH_MAX = 32
 # A write waiting for room in DRAM (the demoter writing chunks back to make it) gives up
 # with ENOSPC after this long in all.
 DRAM_WAIT_S = 60.0
+# While writing back fails for want of room, the demoter tries again this often (not at
+# every kick: each try costs a compression and a failed write), and a write needing DRAM
+# room meanwhile gets ENOSPC at once; after that long it waits for the next try.
+FULL_RETRY_S = 1.0
 
 
 class Loc(NamedTuple):
@@ -146,6 +151,11 @@ class Loc(NamedTuple):
     flags: int
     checksum: int
     seq: int
+
+
+# The shadow of a chunk written into a hole from past its start (`ChunkStore._shadow`): no
+# record, nothing but zeros up to where the write began.
+HOLE = Loc(-1, 0, 0, 0, 0, 0, CODEC_RAW, 0, 0, 0)
 
 
 @dataclass
@@ -372,6 +382,7 @@ class ChunkStore:
         # Chunks written over in DRAM -> the NVMe-only location of their last written-back
         # bytes, until the new ones are written back (`_shadow`).
         self.shadows: dict[tuple[int, int], Loc] = {}
+        self.shadow_from: dict[tuple[int, int], int] = {}  # ... rewritten from this byte on
         # Files the kernel is writing straight into their DRAM file (start_stream), and the
         # ones whose bytes are being taken (take_stream) -> done; each -> the room promised
         # to it (its expected size), part of `dram_load` until it is taken.
@@ -481,7 +492,8 @@ class ChunkStore:
                 loc = Loc._make(loc)
                 if loc.dram_slot >= 0 and not loc.flags & SEALED:
                     csum = _hash(self._dram_bytes(ino, c, loc.raw_len))
-                    self._store_loc(txn, ino, c, loc._replace(flags=SEALED, checksum=csum))
+                    self._store_loc(txn, ino, c, loc._replace(flags=loc.flags | SEALED,
+                                                              checksum=csum))
         if arena is not None:
             self.meta.sync()
             arena.close()
@@ -498,53 +510,69 @@ class ChunkStore:
         stale = []
         for k, v in self.meta.scan("shadows"):
             key = from_key2(k)
-            shadow = Loc._make(_LOC.unpack(v))
+            shadow = Loc._make(_LOC.unpack(v[:_LOC.size]))
+            # (format 4: the first byte written since; before, the whole chunk is suspect)
+            written_from = _U32.unpack(v[_LOC.size:])[0] if len(v) > _LOC.size else 0
             now = self.get(*key)
-            if (now is None or now.seg or shadow.seg not in self.nvme.segments
+            segment = self.nvme.segments.get(shadow.seg)  # (None for HOLE)
+            if (now is None or now.seg or (shadow.seg and segment is None)
                     or not (now.dram_slot >= 0 or now.flags & LOST)):
                 stale.append(key)  # written back meanwhile, gone, or its segment is
                 continue
-            self.nvme.segments[shadow.seg].live_bytes += shadow.rec_len
+            if segment is not None:
+                segment.live_bytes += shadow.rec_len
             if now.dram_slot >= 0:
                 self.shadows[key] = shadow
+                self.shadow_from[key] = written_from
                 self.nvme_live += shadow.rec_len
                 continue
             log.warning("inode %d chunk %d: back to the bytes last written back (the newer "
                         "ones were only in DRAM, which is gone)", *key)
-            if now.raw_len > shadow.raw_len:  # what was written past them is lost: EIO
+            if now.raw_len > shadow.raw_len and written_from > shadow.raw_len:
+                # what lay between its end and the first byte written since was zeros, and
+                # as durable as the rest: those stay, what was written is lost (EIO)
+                back = self._shadow_start(*key, shadow, written_from, tail_lost=True)
+            elif now.raw_len > shadow.raw_len:  # what was written past it is lost: EIO
                 back = shadow._replace(flags=shadow.flags | TAIL_LOST)
             elif now.raw_len < shadow.raw_len:  # truncated since: only its start is the file's
                 back = self._shadow_start(*key, shadow, now.raw_len)
-                self.nvme.segments[shadow.seg].live_bytes -= shadow.rec_len
-                if back.dram_slot >= 0:
-                    owned.setdefault(key[0], []).append((key[1], back.raw_len))
-                    self.policy.inserted(key)
-                    self.dirty_since[key] = time.monotonic()
             else:
                 back = shadow
+            if back.seg != shadow.seg and segment is not None:
+                segment.live_bytes -= shadow.rec_len  # (copied into DRAM: dead)
+            if back.dram_slot >= 0:
+                owned.setdefault(key[0], []).append((key[1], back.raw_len))
+                self.policy.inserted(key)
+                self.dirty_since[key] = time.monotonic()
             self.index.set(*key, tuple(back))
             self._account(key[0], now, back)
             fixes.append((*key, back))
             stale.append(key)
         return stale
 
-    def _shadow_start(self, ino: int, c: int, shadow: Loc, length: int) -> Loc:
-        """At mount, with DRAM lost: a chunk cut to *length* bytes after its last write-back
-        goes back to the first *length* bytes of that record (*shadow*), which are copied
-        into its region (a new DRAM file: the old ones are gone), dirty. The record's bytes
-        past *length* must not come back: a file grown later reads zeros there. If the
-        record cannot be read, the chunk is lost (EIO)."""
+    def _shadow_start(self, ino: int, c: int, shadow: Loc, length: int,
+                      tail_lost: bool = False) -> Loc:
+        """At mount, with DRAM lost: a chunk goes back to the first *length* bytes of its
+        last written-back record (*shadow*; zeros past its end), copied into its region (a
+        new DRAM file: the old ones are gone), dirty: the chunk was cut to *length* since
+        (the record's bytes past it must not come back, a file grown later reads zeros
+        there), or (*tail_lost*) written from *length* on, and what was written is lost
+        (EIO). If the record cannot be read, the chunk is lost."""
         try:
-            seg = self.nvme.pin(shadow.seg)
-            try:
-                data = self._read_record(ino, c, shadow, seg, None)
-            finally:
-                self.nvme.unpin(seg)
-            self.dram.write(ino, c, 0, memoryview(data)[:length])
+            if shadow.seg:
+                seg = self.nvme.pin(shadow.seg)
+                try:
+                    data = self._read_record(ino, c, shadow, seg, None)
+                finally:
+                    self.nvme.unpin(seg)
+                self.dram.write(ino, c, 0, memoryview(data)[:length])
+            else:  # it was a hole: zeros (the region is one)
+                self.dram.fd(ino)
         except (ChunkError, RecordError, OSError) as exc:
             log.error("inode %d chunk %d: lost (%s)", ino, c, exc)
             return Loc(-1, 0, 0, 0, length, 0, CODEC_RAW, LOST, 0, self._next_seq())
-        return Loc(IN_DRAM, 0, 0, 0, length, 0, CODEC_RAW, 0, 0, self._next_seq())
+        return Loc(IN_DRAM, 0, 0, 0, length, 0, CODEC_RAW, TAIL_LOST if tail_lost else 0, 0,
+                   self._next_seq())
 
     def _restream(self, ino: int, owned: dict[int, list[tuple[int, int]]], fixes) -> None:
         """At mount: a file the kernel was writing (passthrough) takes what its DRAM file
@@ -598,7 +626,7 @@ class ChunkStore:
             log.error("inode %d chunk %d: packed DRAM copy unusable (%s)", ino, c, exc)
             return loc
         log.warning("inode %d chunk %d: kept from its packed DRAM copy", ino, c)
-        return loc._replace(flags=SEALED)
+        return loc._replace(flags=loc.flags & TAIL_LOST | SEALED)
 
     def close(self) -> None:
         for key, ahead in list(self._ahead.items()):
@@ -661,9 +689,11 @@ class ChunkStore:
             txn.put(key2(ino, c), _LOC.pack(*loc), db=self.meta.db["chunks"])
             self.index.set(ino, c, tuple(loc))
 
-    def _replace(self, txn, ino: int, c: int, old: Loc | None, new: Loc | None) -> None:
+    def _replace(self, txn, ino: int, c: int, old: Loc | None, new: Loc | None,
+                 written_from: int = 0) -> None:
         """Swap a chunk's location; copies the new one no longer names are released after
-        the commit."""
+        the commit. *written_from*: the first byte of the chunk the change rewrote (a
+        write's start), for the shadow it may leave (`_shadow`)."""
         self._account(ino, old, new)
         self._store_loc(txn, ino, c, new)
         key = (ino, c)
@@ -679,12 +709,18 @@ class ChunkStore:
         if old is not None and old.seg and (new is None or (new.seg, new.off) !=
                                             (old.seg, old.off)):
             if new is not None and not new.seg and key not in self.shadows:
-                self._shadow(txn, key, nvme_only(old))  # written over: kept until written back
+                # written over: kept until written back
+                self._shadow(txn, key, nvme_only(old), written_from)
             else:
                 seg, rec_len = old.seg, old.rec_len
                 self.meta.after_commit(lambda: self.nvme.mark_dead(seg, rec_len))
+        elif (old is None and new is not None and not new.seg and written_from > 0
+              and key not in self.shadows):
+            self._shadow(txn, key, HOLE, written_from)  # written into a hole, not from its start
         if key in self.shadows and (new is None or new.seg):
             self._unshadow(txn, key)  # the new bytes are on NVMe (or the chunk is gone)
+        elif key in self.shadows and written_from < self.shadow_from.get(key, 0):
+            self._shadow(txn, key, self.shadows[key], written_from)
         if new is not None and new.dram_slot >= 0:
             if old is None or old.dram_slot != new.dram_slot:
                 self.policy.inserted(key)
@@ -693,16 +729,22 @@ class ChunkStore:
             else:
                 self.dirty_since.pop(key, None)
 
-    def _shadow(self, txn, key: tuple[int, int], loc: Loc) -> None:
-        """A chunk's NVMe record (*loc*) is written over in DRAM: keep it, in lmdb's
-        `shadows`, until the new bytes are written back. An fsync may have made it durable,
-        and a DRAM tier lost before that writeback must take the chunk back to it, not lose
-        it (`_load`)."""
+    def _shadow(self, txn, key: tuple[int, int], loc: Loc, written_from: int) -> None:
+        """A chunk's NVMe record (*loc*), or the hole it was (HOLE), is written over in DRAM
+        from byte *written_from* on (or lower, for a shadow kept already): keep it, in
+        lmdb's `shadows`, until the new bytes are written back. An fsync may have made it
+        durable, and a DRAM tier lost before that writeback must take the chunk back to it,
+        not lose it (`_load`): and what lay between its end and *written_from* (zeros) was
+        durable too."""
+        if key not in self.shadows:
+            self.nvme_live += loc.rec_len
         self.shadows[key] = loc
-        txn.put(key2(*key), _LOC.pack(*loc), db=self.meta.db["shadows"])
-        self.nvme_live += loc.rec_len
+        self.shadow_from[key] = written_from
+        txn.put(key2(*key), _LOC.pack(*loc) + _U32.pack(written_from),
+                db=self.meta.db["shadows"])
 
     def _unshadow(self, txn, key: tuple[int, int]) -> None:
+        self.shadow_from.pop(key, None)
         loc = self.shadows.pop(key)
         txn.delete(key2(*key), db=self.meta.db["shadows"])
         self.nvme_live -= loc.rec_len
@@ -824,8 +866,8 @@ class ChunkStore:
             if not self._drop_one_clean():
                 if self.dram_chunks == 0:
                     return  # a single write bigger than DRAM: let it through
-                if self.nvme_full.on:
-                    raise NoSpace()
+                if self.nvme_full.met_within(FULL_RETRY_S):
+                    raise NoSpace()  # nothing leaves DRAM: at once, not after a wait
                 self.space_waiters += 1
                 try:
                     self.kick_demoter()
@@ -1750,6 +1792,9 @@ class ChunkStore:
                 self.drop_dram_copy((ino, c))  # clean: its bytes are raw on NVMe
                 continue
             covers = start == 0 and (loc is None or stop >= loc.raw_len)
+            if loc is not None and loc.flags & TAIL_LOST and start > loc.raw_len:
+                raise ChunkError(f"inode {ino} chunk {c}: its bytes past {loc.raw_len} were "
+                                 f"lost with DRAM; a write past them would make them zeros")
             if loc is not None and loc.dram_slot < 0 and not covers:
                 if loc.flags & LOST:
                     raise ChunkError(f"inode {ino} chunk {c}: its only copy was lost with DRAM")
@@ -1789,7 +1834,8 @@ class ChunkStore:
             c, start = divmod(pos, cs)
             stop = min(cs, end - c * cs)
             loc = self.get(ino, c)
-            if (loc is not None and loc.flags & (LOST | PACKED)) or (ino, c) in self._fetching:
+            if (loc is not None and loc.flags & (LOST | PACKED | TAIL_LOST)
+                    or (ino, c) in self._fetching):
                 return None
             if loc is None or loc.dram_slot < 0:
                 if start or (loc is not None and stop < loc.raw_len):
@@ -1816,7 +1862,7 @@ class ChunkStore:
         if unseal:  # in lmdb before the bytes change (crash safety, see the module doc)
             with self.meta.write() as txn:
                 for c, loc in unseal:
-                    self._replace(txn, ino, c, loc, loc._replace(flags=0))
+                    self._replace(txn, ino, c, loc, loc._replace(flags=loc.flags & ~SEALED))
         planned = []
         for c, start, stop, _ in pieces:
             loc = self.get(ino, c)
@@ -1838,10 +1884,10 @@ class ChunkStore:
             self.abort_write(plan)  # cannot happen: nothing runs between plan and finish
             raise RuntimeError(f"inode {plan.ino}: chunks changed during a write")
         with self.meta.write() as txn:
-            for c, _, stop, loc in plan.pieces:
+            for c, start, stop, loc in plan.pieces:
                 in_place = loc is not None and loc.dram_slot >= 0
                 length = max(loc.raw_len, stop) if in_place else stop
-                self._replace(txn, plan.ino, c, loc, self._dram_loc(length))
+                self._replace(txn, plan.ino, c, loc, self._dram_loc(length), written_from=start)
             if on_commit is not None:
                 c, _, stop, _ = plan.pieces[-1]
                 on_commit(c * self.cs + stop)
@@ -1878,7 +1924,8 @@ class ChunkStore:
         region holds nothing there)."""
         self.dram.punch(ino, c * self.cs + loc.raw_len, self.cs - loc.raw_len)
         with self.meta.write() as txn:
-            self._replace(txn, ino, c, loc, loc._replace(flags=0, seq=self._next_seq()))
+            self._replace(txn, ino, c, loc,
+                          loc._replace(flags=loc.flags & ~SEALED, seq=self._next_seq()))
 
     async def _make_resident(self, ino: int, c: int, loc: Loc) -> None:
         """Bring an NVMe-only chunk into DRAM (for a partial write); the caller re-checks."""
@@ -1906,7 +1953,7 @@ class ChunkStore:
             if loc.flags & SEALED:
                 # Unseal in lmdb before the bytes change (crash safety, see module doc).
                 with self.meta.write() as txn:
-                    unsealed = loc._replace(flags=0)
+                    unsealed = loc._replace(flags=loc.flags & ~SEALED)
                     self._replace(txn, ino, c, loc, unsealed)
                 loc = unsealed
             try:
@@ -1915,8 +1962,10 @@ class ChunkStore:
                 self._written_part(ino, c, loc)
                 raise
         new = self._dram_loc(new_len, whole)
+        if loc is not None and loc.flags & TAIL_LOST and whole is None:
+            new = new._replace(flags=new.flags | TAIL_LOST)  # its end is still lost
         with self.meta.write() as txn:
-            self._replace(txn, ino, c, loc, new)
+            self._replace(txn, ino, c, loc, new, written_from=start)
             if on_commit is not None:
                 on_commit()
         if whole is not None:
@@ -1940,7 +1989,8 @@ class ChunkStore:
             for (c, loc), csum in zip(todo, sums, strict=True):
                 now = self.get(ino, c)
                 if now == loc:
-                    self._replace(txn, ino, c, loc, loc._replace(flags=SEALED, checksum=csum))
+                    self._replace(txn, ino, c, loc, loc._replace(flags=loc.flags | SEALED,
+                                                                 checksum=csum))
                     self._mark_checked(ino, c, loc)  # hashed from the region itself
 
     async def _hash_chunks(self, ino: int, todo: list[tuple[int, Loc]]) -> list[int]:
@@ -2099,7 +2149,8 @@ class ChunkStore:
                     continue
                 keep = not drop or job.ino in self.dram.pins
                 new = Loc(IN_DRAM if keep else -1, job.seg.seg_id, job.off, job.rec_len,
-                          now.raw_len, len(job.payload), job.used, SEALED, job.csum, now.seq)
+                          now.raw_len, len(job.payload), job.used,
+                          SEALED | now.flags & TAIL_LOST, job.csum, now.seq)
                 self._replace(txn, job.ino, job.c, now, new)
                 self.counters.writebacks += 1
                 if not keep:
@@ -2197,8 +2248,10 @@ class ChunkStore:
         elif shadow is not None and (shadow.seg, shadow.off, shadow.seq) == (
                 old.seg, old.off, old.seq):
             with self.meta.write() as txn:
+                written_from = self.shadow_from.get((ino, c), 0)
                 self._unshadow(txn, (ino, c))
-                self._shadow(txn, (ino, c), shadow._replace(seg=seg, off=off, rec_len=rec_len))
+                self._shadow(txn, (ino, c), shadow._replace(seg=seg, off=off, rec_len=rec_len),
+                             written_from)
         else:
             self.nvme.mark_dead(seg, rec_len)
 
@@ -2325,10 +2378,73 @@ class ChunkStore:
                 # seq, unsealed: sealed again at close, or at mount.
                 new = (loc._replace(raw_len=cut) if loc.flags & LOST else
                        Loc(IN_DRAM, 0, 0, 0, cut, 0, CODEC_RAW, 0, 0, self._next_seq()))
-                self._replace(txn, ino, last, loc, new)
+                self._replace(txn, ino, last, loc, new, written_from=cut)
             if on_commit is not None:
                 on_commit()
         self.dram.truncate(ino, new_size)
+
+    async def punch(self, ino: int, off: int, length: int, size: int,
+                    on_commit: Callable[[], None] | None = None) -> None:
+        """Make [off, off+length) of a file of *size* bytes a hole (fallocate PUNCH_HOLE;
+        the size stays): chunks wholly inside go, the ones it cuts into are zeroed there.
+        As `truncate`, the waits come first (fetches of those chunks, the cut ones brought
+        into DRAM raw), then one commit, in which *on_commit* runs; the cut chunks' bytes
+        are zeroed right after it (they are unsealed in it, with a new seq: a crash in
+        between leaves them as they were, which the mount seals again)."""
+        end = min(off + length, size)
+        if ino in self.streaming:  # the kernel writes its DRAM file: that is the file
+            if end > off:
+                self.dram.punch(ino, off, end - off)
+            with self.meta.write():
+                if on_commit is not None:
+                    on_commit()
+            return
+        cs = self.cs
+        first, last = off // cs, max(off, end - 1) // cs
+
+        def inside(c: int) -> bool:
+            return off <= c * cs and min((c + 1) * cs, size) <= end
+
+        edges = [c for c in {first, last} if end > off and not inside(c)]
+        while True:  # until nothing is left to wait for (each await lets others in)
+            if end > off and (pending := self._fetch_of(ino, first, last + 1)) is not None:
+                await pending.wait()
+                continue
+            for c in edges:
+                loc = self.get(ino, c)
+                if loc is None or loc.flags & LOST or loc.raw_len <= off - c * cs:
+                    continue  # nothing there to zero (or nothing to be had)
+                if loc.flags & PACKED:
+                    self.drop_dram_copy((ino, c))
+                    break
+                if loc.dram_slot < 0:
+                    await self._make_resident(ino, c, loc)
+                    break
+            else:
+                break
+        zero = []
+        with self.meta.write() as txn:
+            for c in self.index.chunks_of(ino, last + 1) if end > off else ():
+                if c < first:
+                    continue
+                loc = self.get(ino, c)
+                if c not in edges:
+                    self._replace(txn, ino, c, loc, None)
+                    continue
+                start, stop = max(off - c * cs, 0), min(end - c * cs, loc.raw_len)
+                if stop <= start or loc.flags & LOST:
+                    continue
+                self._replace(txn, ino, c, loc, Loc(IN_DRAM, 0, 0, 0, loc.raw_len, 0,
+                                                    CODEC_RAW, loc.flags & TAIL_LOST, 0,
+                                                    self._next_seq()), written_from=start)
+                zero.append((c * cs + start, stop - start))
+            if on_commit is not None:
+                on_commit()
+        for start, n in zero:
+            self.dram.punch(ino, start, n)
+        if ino in self.allocated:  # the room fallocate promised there is given back
+            self._set_allocated(ino, max(self.file_bytes.get(ino, 0),
+                                         self.allocated[ino] - (end - off)))
 
     def _fetch_of(self, ino: int, start: int, stop: int) -> trio.Event | None:
         """The end of a fetch of one of *ino*'s chunks *start*..*stop*-1, if one is on."""

@@ -14,14 +14,20 @@ class Episode:
     def __init__(self, what: str) -> None:
         self.what = what
         self.since: float | None = None
+        self.last = 0.0  # when it was last met
         self.failures = 0
 
     @property
     def on(self) -> bool:
         return self.since is not None
 
+    def met_within(self, seconds: float) -> bool:
+        """Is it on, and met no longer ago than *seconds*?"""
+        return self.since is not None and time.monotonic() - self.last < seconds
+
     def failed(self, detail: object) -> None:
         self.failures += 1
+        self.last = time.monotonic()
         if self.since is None:
             self.since = time.monotonic()
             log.error("%s: %s", self.what, detail)

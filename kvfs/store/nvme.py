@@ -187,20 +187,22 @@ class NvmeLog:
             # (its creation would fail with EEXIST, and every write-back with it).
             self.next_seg = max(self.next_seg, int(m.group(1)) + 1)
             path = os.path.join(self.directory, name)
+            # A file the daemon may not open fails the mount (the OSError names it): left
+            # out, its records would read as lost.
+            with open(path, "rb") as f:  # buffered: O_DIRECT wants aligned buffers
+                head = f.read(SEGMENT_HEADER.size)
+            if not head:
+                # Created, and the daemon stopped before it wrote the header block, which
+                # comes before any record: the file never held anything.
+                log.info("%s: an empty segment file left by a crash%s", path,
+                         "" if read_only else "; removed")
+                if not read_only:
+                    os.unlink(path)
+                continue
             try:
-                with open(path, "rb") as f:  # buffered: O_DIRECT wants aligned buffers
-                    head = f.read(SEGMENT_HEADER.size)
-                if not head:
-                    # Created, and the daemon stopped before it wrote the header block, which
-                    # comes before any record: the file never held anything.
-                    log.info("%s: an empty segment file left by a crash%s", path,
-                             "" if read_only else "; removed")
-                    if not read_only:
-                        os.unlink(path)
-                    continue
                 magic, version, stream, seg_id, fsid, _ = SEGMENT_HEADER.unpack(head)
-            except (struct.error, OSError) as exc:
-                log.warning("ignoring unreadable segment file %s: %s", path, exc)
+            except struct.error:
+                log.warning("ignoring %s: too short for a segment header", path)
                 continue
             if magic != SEGMENT_MAGIC or fsid != self.fs_uuid:
                 log.warning("ignoring %s: not a segment of this filesystem", path)

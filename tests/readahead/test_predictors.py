@@ -49,6 +49,8 @@ class FakeStore:
         self.through: set = set()  # files read through the daemon, never prefetched
 
         self.read_ahead: list = []
+        self.index = SimpleNamespace(chunks_of=lambda ino, upto: [
+            c for c in range(upto) if self.get(ino, c) is not None])
 
     def reads_through(self, ino, size=None):
         return ino in self.through

@@ -494,9 +494,6 @@ def test_fsynced_bytes_survive_losing_dram_after_being_written_over(kv):
     assert (kv.path / "log").read_bytes() == data + b"z" * 8000
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (tools/crashloop.py): an fsync'ed hole, "
-                   "or the zeros between a chunk's end and the file's, read as EIO once a "
-                   "later write into that chunk is lost with DRAM")
 @pytest.mark.parametrize("zeros", ["a hole chunk", "past a chunk's end"])
 def test_fsynced_zeros_survive_losing_dram_after_a_write_into_their_chunk(kv, zeros):
     """Zeros an fsync made durable are data too. A later write into their chunk, lost with
@@ -524,9 +521,6 @@ def test_fsynced_zeros_survive_losing_dram_after_a_write_into_their_chunk(kv, ze
         os.close(fd)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (tools/crashloop.py): the size of a file "
-                   "the kernel writes is saved with its other attributes, though its bytes "
-                   "are only in its DRAM file")
 def test_a_file_the_kernel_writes_reads_no_zeros_after_losing_dram(kv):
     """A new file written straight into its DRAM file by the kernel has, until its take,
     no chunks in lmdb. A stat updates its in-memory size, and anything that then saves
