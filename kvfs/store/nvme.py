@@ -187,10 +187,16 @@ class NvmeLog:
             # (its creation would fail with EEXIST, and every write-back with it).
             self.next_seg = max(self.next_seg, int(m.group(1)) + 1)
             path = os.path.join(self.directory, name)
-            # A file the daemon may not open fails the mount (the OSError names it): left
-            # out, its records would read as lost.
-            with open(path, "rb") as f:  # buffered: O_DIRECT wants aligned buffers
-                head = f.read(SEGMENT_HEADER.size)
+            try:
+                with open(path, "rb") as f:  # buffered: O_DIRECT wants aligned buffers
+                    head = f.read(SEGMENT_HEADER.size)
+            except OSError as exc:
+                if not read_only:
+                    # A file the daemon may not open fails the mount (the OSError names
+                    # it): left out, its records would read as lost.
+                    raise
+                log.warning("ignoring %s: %s", path, exc.strerror)  # (fsck: they are lost)
+                continue
             if not head:
                 # Created, and the daemon stopped before it wrote the header block, which
                 # comes before any record: the file never held anything.

@@ -110,6 +110,15 @@ def _healthy(m) -> None:
     assert "Traceback" not in m.log()
 
 
+def _refused(m, path: Path) -> None:
+    """A mount with a directory at segment *path* fails, naming it (a path the daemon may
+    not open must not be taken for a lost segment); without it, it mounts."""
+    with pytest.raises(RuntimeError, match=f"{path}: Is a directory"):
+        m.start()
+    assert not os.path.ismount(m.path)
+    path.rmdir()
+
+
 def _damage(m, how: str, seg: int, off: int) -> None:
     """Damage segment *seg* at the record at *off*, the way *how* says."""
     path = _segment(m, seg)
@@ -174,6 +183,8 @@ def test_segment_damaged_before_a_mount(kv, how):
     r = kv.fsck()
     assert r.returncode == 4, r.stdout + r.stderr
     assert "Traceback" not in r.stdout + r.stderr
+    if how == "directory":  # a path the daemon cannot open: the mount names it and stops
+        _refused(kv, _segment(kv, seg))
     kv.start()
     _expect(kv, files, _affected(how, records, off))
     if how in ("directory", "foreign"):
@@ -201,24 +212,23 @@ def test_segment_replaced_by_a_directory_while_mounted(kv):
     more = _fill(kv, "g", 40, 2 * CHUNK)
     _healthy(kv)
     kv.unmount()
+    _refused(kv, _segment(kv, seg))  # (its records are all dead: nothing is lost)
     kv.start()
     for name, data in more.items():
         assert (kv.path / name).read_bytes() == data
 
 
-@pytest.mark.parametrize("leftover", ["empty", "directory"])
+@pytest.mark.parametrize("leftover", ["empty", "foreign"])
 def test_a_segment_name_taken_at_mount_is_never_reused(kv, leftover):
     """A crash between the creation of a segment file and its header's write leaves an empty
-    file; a name can also be taken by anything else. A new segment must not take that name:
-    its creation would fail with EEXIST, and every write-back and fsync with it."""
+    file; a name can also hold a file that is no segment of this store. A new segment must
+    not take that name: its creation would fail with EEXIST, and every write-back and fsync
+    with it."""
     (kv.path / "a").write_bytes(os.urandom(3 << 20))
     kv.unmount()
     names = sorted((kv.nvme_dir / "segments").iterdir())
     taken = _segment(kv, max(int(p.name[4:12]) for p in names) + 1)
-    if leftover == "empty":
-        taken.touch()
-    else:
-        taken.mkdir()
+    taken.write_bytes(b"" if leftover == "empty" else bytes(BLOCK))
     r = kv.fsck()
     assert r.returncode == 0, r.stdout + r.stderr
     if leftover == "empty":
@@ -229,7 +239,7 @@ def test_a_segment_name_taken_at_mount_is_never_reused(kv, leftover):
         f.write(data)
         os.fsync(f.fileno())
     kv.unmount()
-    assert taken.exists() == (leftover == "directory")  # an empty one is removed
+    assert taken.exists() == (leftover == "foreign")  # an empty one is removed
     kv.start()
     assert (kv.path / "b").read_bytes() == data
     _healthy(kv)
