@@ -88,12 +88,19 @@ class Assembly:
             for inode in files:
                 self.evictor.touch(inode.ino)
             extra.append(lambda: {"evictions": {"files": self.evictor.evicted_files,
-                                                "bytes": self.evictor.evicted_bytes}})
+                                                "bytes": self.evictor.evicted_bytes,
+                                                "examined_files": self.evictor.examined}})
         self.store.codec_context = self._codec_context
         self.store.size_of = self._size_of
         self.demoter = Demoter(self.store, high=s.dram_high_watermark, low=s.dram_low_watermark,
                                writeback_age=WRITEBACK_AGE_S)
         self.store.kick_demoter = self.demoter.kick
+        # keys the searches for victims looked at, index entries walked past by requests
+        # for a file's chunks: per chunk demoted or file written, neither may grow with what
+        # the mount holds (issue 33)
+        extra.append(lambda: {"moves": {"demotion_passes": self.demoter.passes,
+                                        "victim_keys_examined": self.policy.examined},
+                              "index": {"scanned_entries": self.store.index.scanned}})
         # Placement streams (issue 5): classify files, hint segment files, clean per stream.
         self.streams = StreamTable.make(s.streams)
         self.classifier = LifetimeClassifier(

@@ -16,11 +16,12 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import struct
 
 import xxhash
 
 from kvfs.namespace import DENSE, Inode
-from kvfs.store.chunkstore import _LOC, LOST, PACKED, SEALED, TAIL_LOST
+from kvfs.store.chunkstore import _LOC, LOST, PACKED, SEALED, TAIL_LOST, parse_loc
 from kvfs.store.codec import Codec, CodecError
 from kvfs.store.meta import FormatError, MetaStore, from_key2, from_u64
 from kvfs.store.nvme import NvmeLog, RecordError
@@ -60,7 +61,13 @@ def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
     codec = Codec()
     errors = 0
     chunks = nvme_ok = dram_ok = lost = 0
-    inodes = {from_u64(k): Inode.unpack(from_u64(k), v) for k, v in meta.scan("inodes")}
+    inodes: dict[int, Inode] = {}
+    for k, v in meta.scan("inodes"):
+        try:
+            inodes[from_u64(k)] = Inode.unpack(from_u64(k), v)
+        except struct.error:
+            out(f"inodes entry {k.hex()}: damaged")
+            errors += 1
     extents: dict[int, list[tuple[int, int, int]]] = {}  # ino -> [(chunk, raw_len, flags)]
 
     def check_record(where: str, seg: int, off: int, rec_len: int, ino: int, c: int, seq: int,
@@ -81,9 +88,14 @@ def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
             return False
 
     for k, v in meta.scan("chunks"):
-        ino, c = from_key2(k)
-        dram_slot, seg, off, rec_len, raw_len, stored, codec_id, flags, csum, seq = \
-            _LOC.unpack(v)
+        try:
+            ino, c = from_key2(k)
+            loc = parse_loc(v, cs)
+        except (struct.error, ValueError) as exc:
+            out(f"chunks entry {k.hex()}: damaged ({exc})")
+            errors += 1
+            continue
+        dram_slot, seg, off, rec_len, raw_len, stored, codec_id, flags, csum, seq = loc
         chunks += 1
         extents.setdefault(ino, []).append((c, raw_len, flags))
         where = f"inode {ino} chunk {c}"
@@ -117,8 +129,13 @@ def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
                 dram_ok += 1
     shadows = 0
     for k, v in meta.scan("shadows"):
-        ino, c = from_key2(k)
-        _, seg, off, rec_len, raw_len, _, _, _, csum, seq = _LOC.unpack(v[:_LOC.size])
+        try:
+            ino, c = from_key2(k)
+            _, seg, off, rec_len, raw_len, _, _, _, csum, seq = _LOC.unpack(v[:_LOC.size])
+        except struct.error:
+            out(f"shadows entry {k.hex()}: damaged")
+            errors += 1
+            continue
         if not seg:
             continue  # the chunk was a hole (HOLE): no record to check
         if check_record(f"inode {ino} chunk {c} (shadow)", seg, off, rec_len, ino, c, seq,
@@ -127,7 +144,10 @@ def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
         else:
             errors += 1
     for k, v in meta.scan("dirents"):
-        if from_u64(v) not in inodes:
+        if len(k) <= 8 or len(v) != 8:
+            out(f"dirents entry {k.hex()}: damaged")
+            errors += 1
+        elif from_u64(v) not in inodes:
             out(f"directory {from_u64(k[:8])} entry {k[8:]!r}: names a missing inode")
             errors += 1
     for ino, inode in inodes.items():

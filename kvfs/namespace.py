@@ -14,7 +14,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 
-from kvfs.store.meta import MetaStore, from_u64, u64
+from kvfs.store.meta import COUNTER_MAX, MetaStore, from_u64, u64
 
 ROOT_INODE = 1
 NAME_MAX = 255
@@ -78,6 +78,22 @@ class Inode:
         self.size = size
 
 
+def parse_inode(k: bytes, v: bytes) -> Inode:
+    ino = from_u64(k)
+    if not ROOT_INODE <= ino < COUNTER_MAX:
+        raise ValueError(f"inode number {ino}")
+    inode = Inode.unpack(ino, v)
+    if inode.size >= 1 << 63:  # beyond off_t: no request about it could be answered
+        raise ValueError(f"inode {ino}: size {inode.size}")
+    return inode
+
+
+def _parse_dirent(k: bytes, v: bytes) -> tuple[int, bytes, int]:
+    if len(k) <= 8:
+        raise ValueError("a directory entry without a name")
+    return from_u64(k[:8]), k[8:], from_u64(v)
+
+
 def check_name(name: bytes) -> None:
     if len(name) > NAME_MAX:
         raise NamespaceError(errno.ENAMETOOLONG)
@@ -115,18 +131,16 @@ class Namespace:
 
     # -- loading ---------------------------------------------------------------------------
     def _load(self) -> None:
-        for k, v in self.meta.scan("inodes"):
-            ino = from_u64(k)
-            self.inodes[ino] = Inode.unpack(ino, v)
+        for inode in self.meta.load("inodes", parse_inode):
+            self.inodes[inode.ino] = inode
         self.files = sum(1 for i in self.inodes.values() if i.is_reg and i.nlink)
-        for k, v in self.meta.scan("dirents"):
-            parent, name, child = from_u64(k[:8]), k[8:], from_u64(v)
+        for parent, name, child in self.meta.load("dirents", _parse_dirent):
             self.dirs.setdefault(parent, {})[name] = child
             self._add_name(child, parent, name)
             if child in self.inodes and self.inodes[child].is_dir:
                 self.parent[child] = parent
-        for k, v in self.meta.scan("symlinks"):
-            self.symlinks[from_u64(k)] = v
+        for ino, target in self.meta.load("symlinks", lambda k, v: (from_u64(k), v)):
+            self.symlinks[ino] = target
         for k, v in self.meta.scan("xattrs"):
             if k[8:] in HINT_XATTRS:
                 self._hints[k[8:]][from_u64(k[:8])] = v

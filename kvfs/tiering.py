@@ -11,11 +11,12 @@ DRAM can hold; its overflow falls back to probation's tail and gets one more cha
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 import trio
 
@@ -28,14 +29,135 @@ Key = tuple[int, int]
 PROTECTED_SHARE = 0.8
 # When every DRAM chunk is one readahead wants, the demoter compares this many of the coldest.
 KEPT_SCAN = 256
+# A search for victims looks at most at this many keys in one trio step (~0.2 ms) before it
+# lets FUSE requests in: pinned, kept and leaving keys at the cold end may be many.
+SCAN_STEP = 512
+
+
+class KeyQueue:
+    """Keys in order, the cold end first, as the keys of an OrderedDict, except that a walk
+    (`start_walk`) survives changes to the queue: it stands on the next key it will visit and
+    moves on when that key leaves. An OrderedDict's iterator fails at the first change, so
+    each search for victims copied the whole queue first: with 60,000 small files in DRAM,
+    every demotion step and every write waiting for room walked all their chunks (issue 33).
+    Two dicts (key -> previous key, key -> next key) cost what an OrderedDict costs."""
+
+    __slots__ = ("_next", "_prev", "_head", "_tail", "_walks")
+
+    def __init__(self) -> None:
+        self._next: dict[Hashable, Hashable | None] = {}
+        self._prev: dict[Hashable, Hashable | None] = {}
+        self._head: Hashable | None = None
+        self._tail: Hashable | None = None
+        self._walks: list[_Spot] = []
+
+    def __len__(self) -> int:
+        return len(self._next)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._next
+
+    def __iter__(self) -> Iterator[Hashable]:
+        """The keys, cold end first; the queue must not change meanwhile (see `start_walk`)."""
+        key = self._head
+        while key is not None:
+            yield key
+            key = self._next[key]
+
+    def append(self, key: Hashable) -> None:
+        """Put *key* at the hot end (moved there if it is in the queue)."""
+        if key == self._tail:
+            return
+        self.discard(key)
+        self._prev[key] = self._tail
+        self._next[key] = None
+        if self._tail is None:
+            self._head = key
+        else:
+            self._next[self._tail] = key
+        self._tail = key
+        for spot in self._walks:
+            if spot.at_end:
+                spot.key = key
+                spot.at_end = False
+
+    def appendleft(self, key: Hashable) -> None:
+        """Put *key* at the cold end (moved there if it is in the queue)."""
+        if key == self._head:
+            return
+        self.discard(key)
+        self._next[key] = self._head
+        self._prev[key] = None
+        if self._head is None:
+            self._tail = key
+        else:
+            self._prev[self._head] = key
+        self._head = key
+
+    def discard(self, key: Hashable) -> None:
+        if key not in self._next:
+            return
+        after = self._next.pop(key)
+        before = self._prev.pop(key)
+        if before is None:
+            self._head = after
+        else:
+            self._next[before] = after
+        if after is None:
+            self._tail = before
+        else:
+            self._prev[after] = before
+        for spot in self._walks:
+            if spot.key == key:
+                spot.key = after
+                spot.at_end = after is None
+
+    def popleft(self) -> Hashable:
+        key = self._head
+        if key is None:
+            raise KeyError("pop from an empty queue")
+        self.discard(key)
+        return key
+
+    def start_walk(self) -> _Spot:
+        """A walk from the cold end, key by key (`step`), while the caller changes the
+        queue: a key that leaves before its turn is not visited, one that moves is visited
+        where it is when the walk gets there, and keys added at the hot end are visited too,
+        also after the walk got there. `end_walk` when done."""
+        spot = _Spot(self._head)
+        self._walks.append(spot)
+        return spot
+
+    def step(self, spot: _Spot) -> Hashable | None:
+        """The key *spot* stands on (it moves on to the next), or None at the hot end."""
+        key = spot.key
+        if key is not None:
+            spot.key = self._next[key]
+            spot.at_end = spot.key is None
+        return key
+
+    def end_walk(self, spot: _Spot) -> None:
+        self._walks.remove(spot)
+
+
+class _Spot:
+    """Where a walk of a KeyQueue stands: the next key it visits; at_end: past the hot end,
+    where the next key added there is the next it visits. Compared by identity, so that a
+    finished walk removes its own spot."""
+
+    __slots__ = ("key", "at_end")
+
+    def __init__(self, key: Hashable | None) -> None:
+        self.key = key
+        self.at_end = key is None
 
 
 class DramPolicy:
     """SLRU bookkeeping of the chunks that have a DRAM copy."""
 
     def __init__(self, capacity_chunks: int) -> None:
-        self.probation: OrderedDict[Key, None] = OrderedDict()
-        self.protected: OrderedDict[Key, None] = OrderedDict()
+        self.probation = KeyQueue()
+        self.protected = KeyQueue()
         self.protected_limit = max(1, int(PROTECTED_SHARE * capacity_chunks))
         # Readahead's answers (issue 3; both stay "no" with prediction off: plain SLRU).
         # keep(key): predicted to be read soon - victims pass over it while others are left.
@@ -54,6 +176,10 @@ class DramPolicy:
         # in from NVMe. It enters protected like a hit: it was reused (written, then read),
         # and prefetching will not have it in time for the next such read either.
         self.unpredicted: Callable[[Key], bool] = _no
+        # Keys that searches for victims looked at (`kvfsctl status --json`:
+        # moves.victim_keys_examined): per chunk demoted, it must not grow with the number
+        # of chunks in DRAM.
+        self.examined = 0
 
     def __len__(self) -> int:
         return len(self.probation) + len(self.protected)
@@ -62,45 +188,31 @@ class DramPolicy:
         if key in self.protected:
             return
         if self.unpredicted(key):
-            self.probation.pop(key, None)
+            self.probation.discard(key)
             self._protect(key)
             return
-        self.probation[key] = None
-        self.probation.move_to_end(key)
+        self.probation.append(key)
 
     def hit(self, key: Key) -> None:
         if key in self.protected:
-            self.protected.move_to_end(key)
+            self.protected.append(key)
             return
         if key not in self.probation:
             return
-        del self.probation[key]
+        self.probation.discard(key)
         self._protect(key, cold=self.cheap(key))  # cheap: protected, but the first to go
 
     def _protect(self, key: Key, cold: bool = False) -> None:
-        self.protected[key] = None
         if cold:
-            self.protected.move_to_end(key, last=False)
+            self.protected.appendleft(key)
+        else:
+            self.protected.append(key)
         while len(self.protected) > self.protected_limit:
-            old, _ = self.protected.popitem(last=False)
-            self.probation[old] = None
+            self.probation.append(self.protected.popleft())
 
     def removed(self, key: Key) -> None:
-        self.probation.pop(key, None)
-        self.protected.pop(key, None)
-
-    def victims(self) -> Iterator[Key]:
-        """Keys in eviction order (a snapshot: safe while the caller changes the policy).
-        Keys readahead wants kept come last, the one wanted last first."""
-        kept = []
-        for key in list(self.probation) + list(self.protected):
-            if self.pinned(key):
-                continue
-            if self.keep(key):
-                kept.append(key)
-            else:
-                yield key
-        yield from sorted(kept, key=self._wanted_at, reverse=True)
+        self.probation.discard(key)
+        self.protected.discard(key)
 
     def _wanted_at(self, key: Key) -> float:
         d = self.deadline(key)
@@ -112,30 +224,61 @@ class DramPolicy:
         enough), and then the one wanted last (of the coldest KEPT_SCAN)."""
         return next(self.victim_run(skip), None)
 
-    def victim_run(self, skip: set[Key]) -> Iterator[Key]:
+    def coldest(self) -> Key | None:
+        """What `next_victim(set())` gives, if a walk of SCAN_STEP keys finds it, else None:
+        a write waiting for room leaves longer searches to the demoter."""
+        return next(self.victim_run(set(), pause=SCAN_STEP), None)
+
+    def victim_run(self, skip: set[Key], pause: int = 0) -> Iterator[Key | None]:
         """The keys successive `next_victim(skip)` calls would return while the caller
-        removes or skips each one it gets, from one scan of the queues (a scan per victim,
+        removes or skips each one it gets, from one walk of the queues (a scan per victim,
         past many kept or pinned keys at the cold end, had held the trio thread ~15 ms for a
         16-copy clean run). When only kept keys are left: the coldest KEPT_SCAN of them, the
-        one wanted last first, while nothing leaves. For one synchronous stretch: each key is
-        checked again at its turn (the caller may have pinned its file meanwhile)."""
+        one wanted last first, while nothing leaves. Each key is checked again at its turn
+        (the caller may have pinned its file meanwhile), and probation keys added meanwhile
+        come before the rest of protected, so a run may be kept across awaits. With
+        *pause*, None comes after every *pause* keys looked at without a victim: a caller
+        that must not hold the trio thread long stops there (and may go on later)."""
         kept: list[Key] = []
-        for queue in (self.probation, self.protected):  # protected is copied only if reached
-            for key in list(queue):
-                if key in skip or not self._holds(key) or self.pinned(key):
+        looked = 0
+        cold, warm = self.probation.start_walk(), self.protected.start_walk()
+        try:
+            while True:
+                key = self.probation.step(cold)
+                if key is None:
+                    key = self.protected.step(warm)
+                    if key is None:
+                        break
+                self.examined += 1
+                looked += 1
+                if pause and looked >= pause:
+                    looked = 0
+                    yield None
+                if not self.candidate(key, skip):
                     continue
                 if not self.keep(key):
+                    looked = 0
                     yield key
                 elif len(kept) < KEPT_SCAN:
                     kept.append(key)
+        finally:
+            self.probation.end_walk(cold)
+            self.protected.end_walk(warm)
         for key in sorted(kept, key=self._wanted_at, reverse=True):
             if skip:
                 return  # kept ones are no candidates while any leave
             if self._holds(key) and not self.pinned(key):
                 yield key
 
+    def candidate(self, key: Key, skip: set[Key]) -> bool:
+        """May *key* leave DRAM now (not leaving already, still there, not pinned)?"""
+        return key not in skip and self._holds(key) and not self.pinned(key)
+
     def _holds(self, key: Key) -> bool:
         return key in self.probation or key in self.protected
+
+
+_END = object()  # next(victims, _END): the walk is over
 
 
 def _no(key: Key) -> bool:
@@ -169,6 +312,7 @@ class Demoter:
         self._leaving = 0
         self._inflight: set[Key] = set()
         self.passes = 0
+        self._next_key: Key | None = None
 
     def kick(self) -> None:
         self._kick.set()
@@ -198,34 +342,48 @@ class Demoter:
         self.passes += 1
         self._leaving = 0
         self._inflight: set[Key] = set()
-        async with trio.open_nursery() as nursery:
-            limiter = trio.Semaphore(self.parallel)  # batches in flight
-            while self._wanted(mark):
-                await limiter.acquire()
-                batch, exhausted = self._take_victims(mark)
-                if batch:
-                    nursery.start_soon(self._writeback, batch, limiter)
-                else:
-                    limiter.release()
-                if exhausted:
-                    break
+        # One walk down the policy's queues for the whole pass, each step going on where the
+        # last one stopped: a walk from the cold end per step passed again over every chunk
+        # the pass had left in DRAM (issue 33: 60,000 small files made writes crawl).
+        victims = self.store.policy.victim_run(self._inflight, pause=SCAN_STEP)
+        self._next_key = None
+        try:
+            async with trio.open_nursery() as nursery:
+                limiter = trio.Semaphore(self.parallel)  # batches in flight
+                while self._wanted(mark):
+                    await limiter.acquire()
+                    batch, exhausted = self._take_victims(mark, victims)
+                    if batch:
+                        nursery.start_soon(self._writeback, batch, limiter)
+                    else:
+                        limiter.release()
+                    if exhausted:
+                        break
+        finally:
+            victims.close()
 
     def _wanted(self, mark: float) -> bool:
         """Is more to be demoted: DRAM above *mark*, or a write waiting and nothing leaving?"""
         return self.over(mark, self._leaving) or bool(self.store.space_waiters
                                                       and not self._leaving)
 
-    def _take_victims(self, mark: float) -> tuple[list[tuple[Key, int]], bool]:
+    def _take_victims(self, mark: float,
+                      victims: Iterator[Key | None]) -> tuple[list[tuple[Key, int]], bool]:
         """A writeback batch of dirty victims (clean ones met on the way are dropped at
         once), each counted as leaving; and whether the policy ran out of victims."""
         s = self.store
         batch: list[tuple[Key, int]] = []
         nbytes = 0
-        victims = s.policy.victim_run(self._inflight)
         while not s.batch_full(len(batch), nbytes) and self._wanted(mark):
-            key = next(victims, None)
+            key, self._next_key = self._next_key, None
+            if key is not None and not s.policy.candidate(key, self._inflight):
+                continue  # met at the end of the last step, and gone or pinned since
             if key is None:
+                key = next(victims, _END)
+            if key is _END:
                 return batch, True
+            if key is None:
+                return batch, False  # a long walk: let waiting requests in first
             if s.is_clean(key):
                 # One run per call: the caller's next acquire lets waiting requests in.
                 self._drop_clean_run(key, victims, mark)
@@ -237,10 +395,11 @@ class Demoter:
             batch.append((key, size))
         return batch, False
 
-    def _drop_clean_run(self, key: Key, victims: Iterator[Key], mark: float) -> None:
+    def _drop_clean_run(self, key: Key, victims: Iterator[Key | None], mark: float) -> None:
         """Drop the clean DRAM copy of *key* and of the *victims* after it while they are
         clean too, in one transaction (no await in between): streaming reads through a small
-        tier drop a copy per staged chunk, and a commit each was a tenth of the trio thread."""
+        tier drop a copy per staged chunk, and a commit each was a tenth of the trio thread.
+        A dirty victim met after them is the next step's first."""
         s = self.store
         with s.meta.write():
             for _ in range(self.CLEAN_RUN):
@@ -248,7 +407,10 @@ class Demoter:
                 if not s.dram_load - self._leaving > mark * s.dram.capacity:
                     return
                 key = next(victims, None)
-                if key is None or not s.is_clean(key):
+                if key is None:
+                    return
+                if not s.is_clean(key):
+                    self._next_key = key
                     return
 
     async def _writeback(self, batch: list[tuple[Key, int]], limiter: trio.Semaphore) -> None:
@@ -269,7 +431,10 @@ class Demoter:
         """Dirty chunks older than writeback_age go to NVMe (kept in DRAM as clean copies)."""
         s = self.store
         cutoff = time.monotonic() - self.writeback_age
-        old = [k for k, t in s.dirty_since.items() if t < cutoff]
+        # dirty_since is in the order chunks became dirty: the old ones are its head (a
+        # walk over every dirty chunk at each kick grew with the files in DRAM).
+        old = [k for k, _ in itertools.takewhile(lambda kt: kt[1] < cutoff,
+                                                  s.dirty_since.items())]
         for batch in s.writeback_batches(old):
             try:
                 await s.writeback_many(batch, drop=False, pack=True)
@@ -290,29 +455,34 @@ class FileEvictor:
     def __init__(self, remove_file, file_bytes) -> None:
         self.remove_file = remove_file
         self.file_bytes = file_bytes
-        self.lru: OrderedDict[int, None] = OrderedDict()
+        # Least recently opened first. A KeyQueue, so that an eviction walks from the cold
+        # end only as far as it evicts (it copied the whole list of files each time).
+        self.lru = KeyQueue()
         self.evicted_files = 0
         self.evicted_bytes = 0
+        self.examined = 0  # files evictions looked at (status: evictions.examined_files)
 
     def touch(self, ino: int) -> None:
-        self.lru[ino] = None
-        self.lru.move_to_end(ino)
+        self.lru.append(ino)
 
     def forget(self, ino: int) -> None:
-        self.lru.pop(ino, None)
+        self.lru.discard(ino)
 
     def evict(self, need: int) -> bool:
         """Remove cold files until about *need* bytes are freed; False if nothing could go."""
         freed = 0
-        for ino in list(self.lru):
-            if freed >= need:
-                break
-            size = self.file_bytes.get(ino, 0)
-            if self.remove_file(ino):  # False for open files: they stay candidates
-                self.lru.pop(ino, None)
-                self.evicted_files += 1
-                self.evicted_bytes += size
-                freed += max(size, 1)
+        spot = self.lru.start_walk()
+        try:
+            while freed < need and (ino := self.lru.step(spot)) is not None:
+                self.examined += 1
+                size = self.file_bytes.get(ino, 0)
+                if self.remove_file(ino):  # False for open files: they stay candidates
+                    self.lru.discard(ino)
+                    self.evicted_files += 1
+                    self.evicted_bytes += size
+                    freed += max(size, 1)
+        finally:
+            self.lru.end_walk(spot)
         return freed > 0
 
 

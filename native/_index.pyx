@@ -217,6 +217,9 @@ cdef class ChunkIndex:
     cdef size_t count
     cdef size_t cap         # allocated entries in keys/vals
     cdef size_t min_cap
+    # Entries chunks_of has walked the whole key array past: what it costs where asking
+    # for "every chunk of this inode" grows with the whole store (status shows it).
+    cdef readonly unsigned long long scanned
 
     def __cinit__(self, capacity=1024):
         cdef Py_ssize_t hint = operator.index(capacity)
@@ -395,6 +398,7 @@ cdef class ChunkIndex:
         """chunks_of by streaming the dense key array; result sorted afterwards."""
         cdef size_t i
         cdef Key *k = self.keys
+        self.scanned += self.count
         for i in range(self.count):
             if k[i].ino == ino and (unbounded or k[i].chunk < lim):
                 out.push(k[i].chunk)

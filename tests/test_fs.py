@@ -17,8 +17,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from conftest import Mount
 
 
 def _err(fn, *args) -> int:
@@ -1540,9 +1544,18 @@ def test_files_the_kernel_writes_at_once_stay_within_the_dram_tier(kv):
         assert (d / name).read_bytes() == data, name
 
 
-def _random_ops(roots: tuple[Path, Path], rng: random.Random, steps: int) -> None:
+def _same_files(ref: Path, other: Path) -> None:
+    assert sorted(os.listdir(other)) == sorted(os.listdir(ref))
+    for name in os.listdir(ref):
+        assert (other / name).read_bytes() == (ref / name).read_bytes(), name
+
+
+def _random_ops(roots: tuple[Path, Path], rng: random.Random, steps: int,
+                crashes: Mount | None = None, crash_rate: float = 0.02) -> None:
     """*steps* random file operations done the same way under both *roots*; each one's
-    result (bytes read, count written, errno) must agree."""
+    result (bytes read, count written, errno) must agree. With *crashes* (the mount at
+    roots[1]), its daemon is SIGKILLed before a step with probability *crash_rate*, with
+    readers held open, and remounted: every file must still be as on roots[0]."""
     names = [f"f{i}" for i in range(5)]
     held: dict[Path, list[int]] = {root: [] for root in roots}
 
@@ -1595,6 +1608,14 @@ def _random_ops(roots: tuple[Path, Path], rng: random.Random, steps: int) -> Non
                            "rename", "unlink", "fsync"]
     try:
         for step in range(steps):
+            if crashes is not None and rng.random() < crash_rate:
+                crashes.kill()
+                for root in roots:
+                    while held[root]:
+                        with contextlib.suppress(OSError):  # (the daemon is gone)
+                            os.close(held[root].pop())
+                crashes.start()
+                _same_files(*roots)
             op, name, other = rng.choice(ops), rng.choice(names), rng.choice(names)
             off = rng.choice([0, rng.randrange(1 << 20), (64 << 10) - 3, rng.randrange(64 << 20)])
             data = rng.randbytes(rng.choice([1, 4096, 65536, rng.randrange(1, 300_000),
@@ -1625,9 +1646,23 @@ def test_random_operations_agree_with_tmpfs(kv):
         assert moves["demotions"] > 0 and moves["promotions"] > 0, moves
         kv.unmount()
         kv.start()
-        assert sorted(os.listdir(kv.path)) == sorted(os.listdir(ref))
-        for name in os.listdir(ref):
-            assert (kv.path / name).read_bytes() == (ref / name).read_bytes(), name
+        _same_files(ref, kv.path)
         assert kv.status()["reads"]["checksum_errors"] == 0
+    finally:
+        shutil.rmtree(ref, ignore_errors=True)
+
+
+def test_random_operations_survive_crashes(kv):
+    """The same random operations with SIGKILLs of the daemon between them (readers held
+    open meanwhile): after each remount every file is as tmpfs has it (every completed
+    operation survives, README Guarantees 3), and the comparison goes on."""
+    ref = Path(tempfile.mkdtemp(prefix="kvfs-reference-", dir="/dev/shm"))
+    try:
+        _random_ops((ref, kv.path), random.Random(3), 250, crashes=kv)
+        assert any("nvme" in kv.tiers(name) for name in os.listdir(kv.path))
+        assert kv.status()["reads"]["checksum_errors"] == 0
+        kv.kill()
+        kv.start()
+        _same_files(ref, kv.path)
     finally:
         shutil.rmtree(ref, ignore_errors=True)

@@ -39,7 +39,7 @@ import os
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import trio
 
@@ -67,6 +67,8 @@ HINT = "hint"  # owner of hinted chunks
 # The learned order is saved to lmdb this often (and at unmount), so that a restarted daemon
 # predicts from its first read; losing the last interval to a crash costs only predictions.
 SAVE_INTERVAL_S = 1.0
+# A read spanning more chunks than this steps through the chunks its file has, not its holes.
+SPARSE_SCAN_CHUNKS = 64
 # lmdb table `successors`: ino u64 (big-endian key) -> successor u64, edge kind u8.
 _SUCC = struct.Struct("<QB")
 _KIND_CODES = {KIND_WRITE: 0, KIND_READ: 1}
@@ -153,7 +155,14 @@ class Readahead:
         if end <= off:
             return
         now = self.clock()
-        for c in range(off // cs, (end - 1) // cs + 1):
+        first, last = off // cs, (end - 1) // cs
+        chunks: Iterable[int] = range(first, last + 1)
+        if last - first >= SPARSE_SCAN_CHUNKS:
+            # A long range (the whole file at a passthrough open): only the chunks the file
+            # has are steps. A sparse file of a TiB would otherwise take hours of steps
+            # through its holes, with every request waiting.
+            chunks = [c for c in self.store.index.chunks_of(ino, last + 1) if c >= first]
+        for c in chunks:
             self._read(pid, (ino, c), now)
 
     def read_whole(self, ino: int, size: int, pid: int) -> None:
@@ -383,8 +392,12 @@ class Readahead:
         skipped); returns how many were loaded."""
         if not self.enabled or self.meta is None:
             return 0
-        stale, n = [], 0
+        stale, n, damaged = [], 0, 0
         for k, v in self.meta.scan("successors"):
+            if len(k) != 8 or len(v) != _SUCC.size:  # damaged: only a hint, dropped
+                damaged += 1
+                stale.append(k)
+                continue
             a, (b, code) = from_u64(k), _SUCC.unpack(v)
             if self.size_of is not None and (self.size_of(a) is None or self.size_of(b) is None):
                 stale.append(k)
@@ -392,6 +405,8 @@ class Readahead:
             self.graph.link(a, b, _CODE_KINDS.get(code, KIND_WRITE))
             n += 1
         self.graph.take_dirty()
+        if damaged:
+            log.warning("dropped %d damaged entries of the learned read order", damaged)
         if stale:
             with self.meta.write() as txn:
                 for k in stale:

@@ -56,7 +56,15 @@ from kvfs.store.choices import ChoiceMemory
 from kvfs.store.codec import CODEC_RAW, Codec, CodecError
 from kvfs.store.dram import OPEN_FILES, DramFile, DramFiles, pages
 from kvfs.store.episode import Episode
-from kvfs.store.meta import FORMAT_VERSION, MetaStore, from_key2, from_u64, key2, u64
+from kvfs.store.meta import (
+    COUNTER_MAX,
+    FORMAT_VERSION,
+    MetaStore,
+    from_key2,
+    from_u64,
+    key2,
+    u64,
+)
 from kvfs.store.nvme import (
     BLOCK,
     HEADER_SIZE,
@@ -165,6 +173,20 @@ class WritePlan:
     ino: int
     # (chunk, start, stop, location before the write); in place if it had a DRAM copy
     pieces: list[tuple[int, int, int, Loc | None]]
+
+
+def parse_loc(value: bytes, chunk_size: int) -> Loc:
+    """A chunk location as stored in lmdb; ValueError (or struct.error) if it cannot be one
+    (damaged metadata), so that no read trusts a length or an offset it never wrote."""
+    loc = Loc._make(_LOC.unpack(value))
+    if loc.dram_slot < -1 or loc.raw_len > chunk_size or loc.flags >= TAIL_LOST << 1:
+        raise ValueError(f"impossible chunk location {loc}")
+    if loc.seq >= COUNTER_MAX or loc.flags & PACKED and not loc.seg:
+        raise ValueError(f"impossible chunk location {loc}")
+    if loc.seg and (loc.off < BLOCK or loc.off % BLOCK
+                    or loc.rec_len != record_length(loc.stored_len)):
+        raise ValueError(f"impossible record location {loc}")
+    return loc
 
 
 def slot_len(loc: Loc) -> int:
@@ -417,8 +439,8 @@ class ChunkStore:
     def _load(self) -> None:
         with self.meta.env.begin() as txn:
             self.seq = self.meta.counter(txn, b"next_seq", 1)
-        for k, v in self.meta.scan("alloc"):
-            self.allocated[from_u64(k)] = from_u64(v)
+        for ino, n in self.meta.load("alloc", lambda k, v: (from_u64(k), from_u64(v))):
+            self.allocated[ino] = n
         arena = self._old_arena()
         lost_dram = not self.dram.survived
         fixes: list[tuple[int, int, Loc | None]] = []
@@ -427,12 +449,10 @@ class ChunkStore:
         owned: dict[int, list[tuple[int, int]]] = {}
         # Files the kernel was writing into their DRAM file when the daemon stopped: what
         # the DRAM file holds is newer than anything recorded (`_restream`).
-        restream = {from_u64(k) for k, _ in self.meta.scan("writers")}
+        restream = set(self.meta.load("writers", lambda k, v: from_u64(k)))
         if lost_dram:
             restream = set()
-        for k, v in self.meta.scan("chunks"):
-            ino, c = from_key2(k)
-            loc = Loc._make(_LOC.unpack(v))
+        for (ino, c), loc in self.meta.load("chunks", self._parse_chunk):
             self.seq = max(self.seq, loc.seq + 1)
             if ino in restream:
                 fixes.append((ino, c, None))  # replaced below; its NVMe record is dead
@@ -502,17 +522,22 @@ class ChunkStore:
         for seg in list(self.nvme.segments.values()):
             self.nvme._maybe_delete(seg)
 
+    def _parse_chunk(self, k: bytes, v: bytes) -> tuple[tuple[int, int], Loc]:
+        return from_key2(k), parse_loc(v, self.cs)
+
+    def _parse_shadow(self, k: bytes, v: bytes) -> tuple[tuple[int, int], Loc, int]:
+        """A `shadows` entry: its key, location and (format 4) the first byte written since
+        (before format 4, 0: the whole chunk is suspect)."""
+        written_from = _U32.unpack(v[_LOC.size:])[0] if len(v) != _LOC.size else 0
+        return from_key2(k), parse_loc(v[:_LOC.size], self.cs), written_from
+
     def _load_shadows(self, fixes, owned: dict[int, list[tuple[int, int]]]
                       ) -> list[tuple[int, int]]:
         """At mount: keep the shadows of chunks still dirty in DRAM; a chunk whose only copy
         was lost with DRAM goes back to its shadow (the bytes last written back, which an
         fsync may have promised). Returns the keys of shadows that are no more."""
         stale = []
-        for k, v in self.meta.scan("shadows"):
-            key = from_key2(k)
-            shadow = Loc._make(_LOC.unpack(v[:_LOC.size]))
-            # (format 4: the first byte written since; before, the whole chunk is suspect)
-            written_from = _U32.unpack(v[_LOC.size:])[0] if len(v) > _LOC.size else 0
+        for key, shadow, written_from in self.meta.load("shadows", self._parse_shadow):
             now = self.get(*key)
             segment = self.nvme.segments.get(shadow.seg)  # (None for HOLE)
             if (now is None or now.seg or (shadow.seg and segment is None)
@@ -892,12 +917,11 @@ class ChunkStore:
                     raise NoSpace()
 
     def _drop_one_clean(self) -> bool:
-        for key in self.policy.victims():
-            if self.is_clean(key) and not self.policy.keep(key):
-                self.drop_dram_copy(key)
-                return True
-            break  # dirty, or wanted by readahead: the demoter keeps eviction order
-        return False
+        key = self.policy.coldest()
+        if key is not None and self.is_clean(key) and not self.policy.keep(key):
+            self.drop_dram_copy(key)
+            return True
+        return False  # dirty, wanted by readahead or far: the demoter keeps eviction order
 
     async def run_disposals(self) -> None:
         """Remove DRAM files nobody needs any more in a worker thread, not on the trio thread
@@ -1697,7 +1721,7 @@ class ChunkStore:
                                              for c, n in zip(data, lens, strict=True)])
         present = set(data)
         with self.meta.write() as txn:
-            for c in self.index.chunks_of(ino, 1 << 62):
+            for c in self._stream_chunks(ino, size):
                 if c not in present:  # (a set built per chunk made big files' takes O(n^2))
                     self._replace(txn, ino, c, self.get(ino, c), None)
             for c, n, csum in zip(data, lens, sums, strict=True):
@@ -1728,9 +1752,17 @@ class ChunkStore:
         (what was written since they were opened or last taken)."""
         out = 0
         for ino in self.streaming:
-            counted = sum(self.dram_pages((ino, c)) for c in self.index.chunks_of(ino, 1 << 62))
+            counted = sum(self.dram_pages((ino, c))
+                          for c in self._stream_chunks(ino, self.stream_size(ino)))
             out += max(0, self.stream_blocks(ino) - counted)
         return out
+
+    def _stream_chunks(self, ino: int, size: int) -> list[int]:
+        """The chunks recorded for a file the kernel writes, whose DRAM file is *size* long.
+        They all lie within it: the kernel only makes it longer, and a truncation cuts it
+        and the chunks past its new end together (`truncate`). Asking the index for every
+        chunk the inode might have scanned the whole index, at every create (issue 33)."""
+        return self.index.chunks_of(ino, self._nchunks(size))
 
     def end_stream(self, ino: int) -> None:
         """The file being written by the kernel is gone (unlinked, last close) or could not

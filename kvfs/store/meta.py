@@ -27,8 +27,9 @@ import os
 import struct
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import lmdb
 
@@ -53,6 +54,10 @@ FORMAT_VERSION = 4
 READABLE_FORMATS = (1, 2, 3, 4)
 _U64 = struct.Struct(">Q")
 _KEY2 = struct.Struct(">QQ")
+T = TypeVar("T")
+# Counters (inode and sequence numbers) grow by one per use: one near 2^64 is damage, and
+# would overflow its u64 field at the next commit.
+COUNTER_MAX = 1 << 62
 TABLES = (b"super", b"inodes", b"dirents", b"symlinks", b"xattrs", b"chunks", b"counters",
           b"alloc", b"successors", b"writers", b"shadows")
 
@@ -166,13 +171,24 @@ class MetaStore:
         try:
             sb = json.loads(raw)
         except ValueError as exc:
-            raise FormatError(f"{self.path}: superblock is not readable ({exc})") from None
-        if sb.get("magic") != "kvfs" or sb.get("format") not in READABLE_FORMATS:
+            raise FormatError(f"{self.path}: the superblock is damaged ({exc})") from None
+        if not isinstance(sb, dict) or sb.get("magic") != "kvfs":
+            raise FormatError(f"{self.path}: the superblock is damaged (no kvfs magic)")
+        if sb.get("format") not in READABLE_FORMATS:
             raise FormatError(
                 f"{self.path}: metadata format {sb.get('format')!r} is not supported by this "
                 f"kvfs (it reads formats {', '.join(map(str, READABLE_FORMATS))}); use a "
                 f"matching kvfs version"
             )
+        try:
+            uuid.UUID(sb["uuid"])
+            cs, seg = sb["chunk_size"], sb["segment_size"]
+            if type(cs) is not int or not 4096 <= cs <= 64 << 20 or cs & (cs - 1):
+                raise ValueError(f"chunk_size {cs!r}")
+            if type(seg) is not int or seg < 2 * cs + 8192:
+                raise ValueError(f"segment_size {seg!r}")
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise FormatError(f"{self.path}: the superblock is damaged ({exc!r})") from None
         return sb
 
     def set_format(self, txn: lmdb.Transaction, version: int) -> None:
@@ -230,7 +246,12 @@ class MetaStore:
 
     def counter(self, txn: lmdb.Transaction, name: bytes, default: int) -> int:
         raw = txn.get(name, db=self.db["counters"])
-        return default if raw is None else from_u64(raw)
+        if raw is None:
+            return default
+        if len(raw) != 8 or from_u64(raw) >= COUNTER_MAX:
+            raise FormatError(f"{self.path}: the metadata is damaged: counter {name!r} is "
+                              f"{raw.hex()}")
+        return from_u64(raw)
 
     def set_counter(self, txn: lmdb.Transaction, name: bytes, value: int) -> None:
         txn.put(name, u64(value), db=self.db["counters"])
@@ -245,6 +266,19 @@ class MetaStore:
                 if not k.startswith(prefix):
                     break
                 yield k, v
+
+    def load(self, table: str, parse: Callable[[bytes, bytes], T]) -> Iterator[T]:
+        """parse(key, value) of every entry of *table*, at mount. An entry *parse* cannot
+        take (struct.error, ValueError: the wrong length, a field out of range) is damaged
+        metadata: FormatError naming it, instead of a traceback or wrong bytes later."""
+        for k, v in self.scan(table):
+            try:
+                item = parse(k, v)
+            except (struct.error, ValueError) as exc:
+                raise FormatError(
+                    f"{self.path}: the metadata is damaged: table {table!r}, key {k.hex()}: "
+                    f"{exc}") from None
+            yield item
 
     def sync(self) -> None:
         """Make every committed transaction durable (blocking: call from a worker thread)."""

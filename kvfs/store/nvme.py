@@ -213,6 +213,9 @@ class NvmeLog:
             if magic != SEGMENT_MAGIC or fsid != self.fs_uuid:
                 log.warning("ignoring %s: not a segment of this filesystem", path)
                 continue
+            if name != f"seg-{seg_id:08d}.kvs":  # a damaged header: its id cannot be trusted
+                log.warning("ignoring %s: its header names segment %d", path, seg_id)
+                continue
             fd = os.open(path, os.O_RDWR | os.O_DIRECT)
             size = os.fstat(fd).st_size
             self.segments[seg_id] = Segment(seg_id, stream, path, fd, write_off=align_up(size),

@@ -81,6 +81,7 @@ def test_dram_tier_holds_only_its_chunks_and_never_exceeds_it(mount_factory):
     m = mount_factory(dram_size="8M")
     cap = m.status()["tiers"]["dram"]["capacity_bytes"]
     files = _fill(m, "p", 8, 100_000)
+    _wait(lambda: m.status()["passthrough"]["writing_files"] == 0)  # their closes landed
     dram = m.status()["tiers"]["dram"]
     assert _dram_bytes(m) == dram["used_bytes"] <= cap
     big = _fill(m, "q", 12, 1 << 20)  # through a tier of 8 MiB: demotion
