@@ -92,3 +92,31 @@ def test_a_hole_written_from_its_start_and_lost_is_eio(kv):
     assert _read(kv, "f", 2 * CHUNK, CHUNK) == bytes(CHUNK)
     assert [c["lost"] for c in kv.where("f")] == [False, True]
     assert "Traceback" not in kv.log()
+
+
+def test_bytes_a_truncation_cut_off_never_come_back_with_dram_lost(kv):
+    """Cut by a truncation, then written past the cut (the zeros between read as zeros),
+    then DRAM lost: the chunk goes back to its shadow only up to the cut. It went back up
+    to its new length, so the cut-off bytes of the old record came back where the file
+    had zeros and new bytes."""
+    p = kv.path / "f"
+    data = os.urandom(CHUNK)
+    with open(p, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    kv.unmount()
+    kv.start()
+    os.truncate(p, 43418)
+    with open(p, "r+b") as f:
+        f.seek(50000)
+        f.write(b"x" * 1000)  # [43418, 50000) reads zeros now
+    kv.reboot()
+    kv.start()
+    assert _read(kv, "f", 0, 43418) == data[:43418]
+    try:
+        gap = _read(kv, "f", 43418, 50000 - 43418)
+    except OSError as exc:
+        assert exc.errno == errno.EIO
+    else:
+        assert gap == bytes(len(gap))
