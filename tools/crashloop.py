@@ -998,7 +998,7 @@ def run(cycles: int, seed: int = 1, *, keep: bool = False, max_delay: float = 2.
                 f"{' '.join(MOUNT_ARGS)})")
         shutil.rmtree(dram, ignore_errors=True)
         summary.wall_s = time.monotonic() - t0
-    out(summary.text())
+        out(summary.text())  # (also of the cycles before a Ctrl-C)
     return summary
 
 
