@@ -3,6 +3,7 @@
 KVFS_ONLY_EXT=kvfs._index (comma-separated) builds a subset, for working on one module.
 """
 
+import glob
 import os
 import subprocess
 
@@ -19,6 +20,9 @@ def pkg_config(flag: str, package: str = "fuse3", default: str = "") -> list[str
     return out.split()
 
 
+SHIM_C = sorted(glob.glob("native/shim/*.c"))
+SHIM_H = sorted(glob.glob("native/shim/*.h"))
+
 EXTENSIONS = [
     Extension("kvfs._index", ["native/_index.pyx"], extra_compile_args=["-O3"]),
     Extension("kvfs._shuffle", ["native/_shuffle.pyx"], extra_compile_args=["-O3"]),
@@ -27,9 +31,12 @@ EXTENSIONS = [
               depends=["native/kvhuff.h", "native/kvshuffle.h"]),
     # xxh3 without the GIL (Debian's libxxhash-dev header, inlined).
     Extension("kvfs._digest", ["native/_digest.pyx"], extra_compile_args=["-O3"]),
-    # Adds fallocate() to pyfuse3's FUSE session (see the module docstring).
-    Extension("kvfs._fuseshim", ["native/_fuseshim.pyx"],
-              extra_compile_args=pkg_config("--cflags", default="-I/usr/include/fuse3"),
+    # What pyfuse3 lacks, added underneath it (see the module docstring): its C is in
+    # native/shim/, one file per concern; only the libfuse functions it replaces are exported.
+    Extension("kvfs._fuseshim", ["native/_fuseshim.pyx", *SHIM_C],
+              include_dirs=["native/shim"], depends=SHIM_H,
+              extra_compile_args=pkg_config("--cflags", default="-I/usr/include/fuse3")
+              + ["-fvisibility=hidden"],
               extra_link_args=pkg_config("--libs", default="-lfuse3") + ["-ldl"]),
 ]
 

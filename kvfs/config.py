@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass, field
 
 DEFAULT_DRAM_DIR = "/dev/shm/kvfs"
-# The front thread's table of files whose opens it answers (native/_fuseshim.pyx) holds this
-# many at most.
+# The front thread's table of files whose opens it answers (native/shim/hot.c) holds this
+# many at most (the shim sizes it from `fast_open_files`).
 FAST_OPEN_FILES_MAX = 16384
 DEFAULT_NVME_DIR = "/var/lib/kvfs"
 

@@ -229,6 +229,7 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
     shim = _load_fallocate_shim()
     import pyfuse3
 
+    from kvfs import fs
     from kvfs.assemble import Assembly
 
     lock = None
@@ -245,13 +246,16 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
             os.close(lock)
         return 1
     if shim is not None:
+        shim.set_rules(direct_align=fs.DIRECT_IO_ALIGN, file_caps=fs.FILE_CAPS,
+                       first_fast_fh=fs.FAST_OPEN_FIRST_FH)
         shim.set_fallocate_handler(asm.ops.fallocate_sync)
         asm.ops.reply_fallocate = shim.fallocate_reply
         shim.set_write_handlers(asm.ops.write_plan, asm.ops.write_done)
         shim.want_passthrough(s.passthrough)
         shim.want_front_thread(s.passthrough and (s.fast_open or s.front_reads))
         shim.set_opened_handler(asm.ops.fast_opened)
-        shim.set_kill_handler(asm.ops.kill_suidgid)
+        shim.set_kill_handler(asm.ops.kill_suidgid, write=fs.Kill.WRITE,
+                              truncate=fs.Kill.TRUNCATE, chown=fs.Kill.CHOWN)
         asm.ops.hot_capacity = shim.hot_limit(s.fast_open_files)
         if s.passthrough:
             asm.ops.shim = shim

@@ -89,6 +89,9 @@ MAPPED_CHECK_S = 5.0
 # Files of at most this many chunks go to the front thread's table (a staged chunk checks
 # its whole file; bigger files are read through the daemon anyway).
 FAST_OPEN_MAX_CHUNKS = 16
+# Handles of opens the front thread answers start here; those `_open` gives out count up
+# from 1, far below.
+FAST_OPEN_FIRST_FH = 1 << 48
 
 
 class Kill(enum.IntEnum):

@@ -350,17 +350,27 @@ class Demoter:
         try:
             async with trio.open_nursery() as nursery:
                 limiter = trio.Semaphore(self.parallel)  # batches in flight
+                exhausted = False
+                took = self.store.dram_used
                 while self._wanted(mark):
                     await limiter.acquire()
                     batch, exhausted = self._take_victims(mark, victims)
                     if batch:
                         nursery.start_soon(self._writeback, batch, limiter)
+                        took = -1
                     else:
                         limiter.release()
                     if exhausted:
                         break
         finally:
             victims.close()
+        if (exhausted and took == self.store.dram_used and self.store.space_waiters
+                and self.over(1.0)):
+            # A whole walk found nothing to take (no write-back, no copy dropped): what is
+            # in DRAM belongs to files the kernel reads or writes straight from their DRAM
+            # files (passthrough pins them). The waiting writes go over the tier's size
+            # rather than wait for room nothing can make.
+            self.store.nothing_leaves()
 
     def _wanted(self, mark: float) -> bool:
         """Is more to be demoted: DRAM above *mark*, or a write waiting and nothing leaving?"""

@@ -1652,6 +1652,21 @@ def test_random_operations_agree_with_tmpfs(kv):
         shutil.rmtree(ref, ignore_errors=True)
 
 
+def test_writes_go_on_when_dram_is_full_of_files_read_by_passthrough(mount_factory):
+    """Files read in passthrough mode are pinned in DRAM, and writers the kernel adopts grow
+    them there: with a 1 MiB tier this sequence (found by the model test) fills DRAM with
+    chunks nothing may evict. A write waiting for room waited for good (tmpfs takes it),
+    then, with one deadline, 60 s and ENOSPC. Now, once the demoter finds nothing to take,
+    such writes go over the tier's size."""
+    kv = mount_factory(dram_size="1M")
+    ref = Path(tempfile.mkdtemp(prefix="kvfs-reference-", dir="/dev/shm"))
+    try:
+        _random_ops((ref, kv.path), random.Random(10), 300, crashes=kv, crash_rate=0.03)
+    finally:
+        shutil.rmtree(ref, ignore_errors=True)
+    assert "all of it held by files open in passthrough mode" in kv.log()
+
+
 def test_random_operations_survive_crashes(kv):
     """The same random operations with SIGKILLs of the daemon between them (readers held
     open meanwhile): after each remount every file is as tmpfs has it (every completed

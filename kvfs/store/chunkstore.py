@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import mmap
 import os
 import struct
@@ -359,6 +360,7 @@ class ChunkStore:
         # Writing back to NVMe fails: the tier (its filesystem) is full, or its I/O fails.
         self.nvme_full = Episode(f"NVMe tier {nvme_dir} full")
         self.nvme_failing = Episode(f"NVMe tier {nvme_dir}: writing back fails")
+        self.dram_pinned_full = Episode("DRAM tier full of files open in passthrough mode")
         self._fetching: dict[tuple[int, int], trio.Event] = {}
         self._file_codec: dict[int, int] = {}
         # Files whose codec a writeback is choosing now: their other chunks wait for the
@@ -899,16 +901,20 @@ class ChunkStore:
         self._space.set()
         self._space = trio.Event()
 
-    async def _wait_dram(self, growth: int) -> None:
-        """Wait until the DRAM tier has room for *growth* more bytes; NoSpace at once while
-        nothing can leave it (the NVMe tier is full), or after DRAM_WAIT_S in all."""
+    async def _wait_dram(self, growth: int) -> bool:
+        """Wait until the DRAM tier has room for *growth* more bytes. True: there is none,
+        but the bytes may go over the tier's size (nothing could ever make room for them);
+        NoSpace at once while nothing can leave it (the NVMe tier is full), or after
+        DRAM_WAIT_S in all."""
         deadline = trio.current_time() + DRAM_WAIT_S
         while self.dram_load + growth > self.dram.capacity:
             if not self._drop_one_clean():
                 if self.dram_chunks == 0:
-                    return  # a single write bigger than DRAM: let it through
+                    return True  # a single write bigger than DRAM: let it through
                 if self.nvme_full.met_within(FULL_RETRY_S):
                     raise NoSpace()  # nothing leaves DRAM: at once, not after a wait
+                if self.dram_pinned_full.met_within(FULL_RETRY_S):
+                    return True  # nothing can leave it (see `nothing_leaves`)
                 self.space_waiters += 1
                 try:
                     self.kick_demoter()
@@ -918,6 +924,17 @@ class ChunkStore:
                     self.space_waiters -= 1
                 if waited.cancelled_caught:
                     raise NoSpace()
+        return False
+
+    def nothing_leaves(self) -> None:
+        """The demoter found nothing it may take out of a full DRAM tier: every chunk left
+        belongs to a file the kernel reads or writes straight from its DRAM file
+        (passthrough; adopted writers may grow such a file past PASSTHROUGH_SHARE). Writes
+        waiting for room go over the tier's size for a while instead of waiting for good."""
+        self.dram_pinned_full.failed(
+            f"{self.dram_used >> 20} MiB in DRAM, all of it held by files open in "
+            f"passthrough mode: writes go over the tier's {self.dram.capacity >> 20} MiB")
+        self.notify_space()
 
     def _drop_one_clean(self) -> bool:
         key = self.policy.coldest()
@@ -1830,6 +1847,7 @@ class ChunkStore:
     async def _write_piece(self, ino: int, c: int, start: int, piece: memoryview,
                            on_commit: Callable[[], None] | None = None) -> None:
         stop = start + len(piece)
+        over = False  # may go over the DRAM tier's size (`_wait_dram`)
         while True:
             pending = self._fetching.get((ino, c))
             if pending is not None:  # an NVMe read is filling the region: let it finish
@@ -1858,8 +1876,8 @@ class ChunkStore:
                 + (loc.rec_len if loc.seg else 0))
             self._check_capacity(pages(new_len) - before, ino)
             growth = pages(new_len) - pages(old_len)
-            if self.dram_load + growth > self.dram.capacity:
-                await self._wait_dram(growth)
+            if not over and self.dram_load + growth > self.dram.capacity:
+                over = await self._wait_dram(growth)
                 continue  # the world may have changed while we waited
             self._apply_write(ino, c, loc, start, piece, new_len, on_commit)
             return
@@ -1977,11 +1995,12 @@ class ChunkStore:
 
     async def _make_resident(self, ino: int, c: int, loc: Loc) -> None:
         """Bring an NVMe-only chunk into DRAM (for a partial write); the caller re-checks."""
-        await self._wait_dram(pages(loc.raw_len))
+        over = await self._wait_dram(pages(loc.raw_len))
         now = self.get(ino, c)
         if now is None or now.seq != loc.seq or now.dram_slot >= 0:
             return
-        await self.fetch(ino, c, now, stage=float(self.dram.capacity), raw=True, want=False)
+        await self.fetch(ino, c, now, stage=math.inf if over else float(self.dram.capacity),
+                         raw=True, want=False)
 
     def _apply_write(self, ino: int, c: int, loc: Loc | None, start: int, piece: memoryview,
                      new_len: int, on_commit: Callable[[], None] | None) -> None:
