@@ -564,10 +564,7 @@ class ChunkStore:
             elif now.raw_len > shadow.raw_len:  # a hole written from its start: all lost
                 back = now._replace(dram_slot=-1, seg=0, flags=LOST)
             elif now.raw_len < shadow.raw_len:  # truncated since: only its start is the file's
-                # (up to the cut, or the first byte written since if lower: what was written
-                # past it, and the zeros the cut left before that, are lost: EIO)
-                keep = min(now.raw_len, written_from)
-                back = self._shadow_start(*key, shadow, keep, tail_lost=keep < now.raw_len)
+                back = self._shadow_start(*key, shadow, now.raw_len)
             else:
                 back = shadow
             if back.dram_slot >= 0:
