@@ -56,7 +56,7 @@ def check(nvme_dir: str, dram_dir: str, out=print) -> int:
 
 def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
     cs = sb["chunk_size"]
-    nvme = NvmeLog(nvme_dir, sb["uuid"], 1 << 62, sb["segment_size"])
+    nvme = NvmeLog(nvme_dir, sb["uuid"], 1 << 62, sb["segment_size"], read_only=True)
     dram = _dram_files(dram_dir, sb)
     codec = Codec()
     errors = 0
@@ -151,7 +151,9 @@ def _check(meta: MetaStore, sb: dict, nvme_dir: str, dram_dir: str, out) -> int:
             out(f"directory {from_u64(k[:8])} entry {k[8:]!r}: names a missing inode")
             errors += 1
     for ino, inode in inodes.items():
-        if not inode.is_reg:
+        if not inode.is_reg or inode.nlink == 0:
+            # Unlinked: the next mount drops it; its chunks may be gone already, its size
+            # saved before (the kernel still knew it when the daemon stopped).
             continue
         for problem in size_problems(inode.size, cs, bool(inode.flags & DENSE),
                                      extents.get(ino, [])):

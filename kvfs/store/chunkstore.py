@@ -351,22 +351,32 @@ class ChunkStore:
                 # what lay between its end and the first byte written since was zeros, and
                 # as durable as the rest: those stay, what was written is lost (EIO)
                 back = self._shadow_start(*key, shadow, written_from, tail_lost=True)
-            elif now.raw_len > shadow.raw_len:  # what was written past it is lost: EIO
+            elif now.raw_len > shadow.raw_len and shadow.seg:  # written past it: EIO there
                 back = shadow._replace(flags=shadow.flags | TAIL_LOST)
+            elif now.raw_len > shadow.raw_len:  # a hole written from its start: all lost
+                back = now._replace(dram_slot=-1, seg=0, flags=LOST)
             elif now.raw_len < shadow.raw_len:  # truncated since: only its start is the file's
                 back = self._shadow_start(*key, shadow, now.raw_len)
             else:
                 back = shadow
-            if back.seg != shadow.seg and segment is not None:
-                segment.live_bytes -= shadow.rec_len  # (copied into DRAM: dead)
             if back.dram_slot >= 0:
+                # Rebuilt in DRAM from the shadow (`_shadow_start`): the shadow stays until
+                # those bytes are written back, so that DRAM lost again before that takes
+                # the chunk back to it again (without it the chunk, fsync'ed bytes and all,
+                # would be lost).
+                self.shadows[key] = shadow
+                self.shadow_from[key] = written_from
+                self.nvme_live += shadow.rec_len
                 owned.setdefault(key[0], []).append((key[1], back.raw_len))
                 self.policy.inserted(key)
                 self.dirty_since[key] = time.monotonic()
+            else:
+                if back.seg != shadow.seg and segment is not None:
+                    segment.live_bytes -= shadow.rec_len  # (nothing names it any more)
+                stale.append(key)
             self.index.set(*key, tuple(back))
             self._account(key[0], now, back)
             fixes.append((*key, back))
-            stale.append(key)
         return stale
 
     def _shadow_start(self, ino: int, c: int, shadow: Loc, length: int,
@@ -506,10 +516,12 @@ class ChunkStore:
             self.index.set(ino, c, tuple(loc))
 
     def _replace(self, txn, ino: int, c: int, old: Loc | None, new: Loc | None,
-                 written_from: int = 0) -> None:
+                 written_from: int | None = None) -> None:
         """Swap a chunk's location; copies the new one no longer names are released after
         the commit. *written_from*: the first byte of the chunk the change rewrote (a
-        write's start), for the shadow it may leave (`_shadow`)."""
+        write's start, a truncation's cut), for the shadow it may leave (`_shadow`); None
+        for a change of no byte (sealing, unsealing, a write-back, a drop), which leaves
+        a shadow's as it is."""
         self._account(ino, old, new)
         self._store_loc(txn, ino, c, new)
         key = (ino, c)
@@ -524,16 +536,17 @@ class ChunkStore:
                                             (old.seg, old.off)):
             if new is not None and not new.seg and key not in self.shadows:
                 # written over: kept until written back
-                self._shadow(txn, key, nvme_only(old), written_from)
+                self._shadow(txn, key, nvme_only(old), written_from or 0)
             else:
                 seg, rec_len = old.seg, old.rec_len
                 self.meta.after_commit(lambda: self.nvme.mark_dead(seg, rec_len))
-        elif (old is None and new is not None and not new.seg and written_from > 0
+        elif (old is None and new is not None and not new.seg and written_from
               and key not in self.shadows):
             self._shadow(txn, key, HOLE, written_from)  # written into a hole, not from its start
         if key in self.shadows and (new is None or new.seg):
             self._unshadow(txn, key)  # the new bytes are on NVMe (or the chunk is gone)
-        elif key in self.shadows and written_from < self.shadow_from.get(key, 0):
+        elif (key in self.shadows and written_from is not None
+              and written_from < self.shadow_from.get(key, 0)):
             self._shadow(txn, key, self.shadows[key], written_from)
         if new is not None and new.dram_slot >= 0:
             if old is None or old.dram_slot != new.dram_slot:

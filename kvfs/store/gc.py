@@ -31,6 +31,8 @@ threads, so it never holds more than one of them.
 
 An open segment that has not been appended to while OPEN_IDLE_SHARE of the tier was written
 elsewhere (a stream that went quiet) is sealed, so that its dead records can be reclaimed too.
+A segment that a whole pass could not empty (a live record that no longer reads: damage) is
+not picked again until its live bytes change.
 
 Write amplification = (user bytes + GC bytes) / user bytes, counted by the store in total and
 per stream by the segment log; GC bytes are charged to the stream they were copied out of.
@@ -104,6 +106,11 @@ class Cleaner:
         self._in_background = False
         self._device: dict | None = None
         self._open_seen: dict[int, tuple[int, int, int]] = {}
+        # Segments that a whole pass left with live records it could not move (one whose
+        # header no longer reads is not even found; its readers get EIO) -> their live
+        # bytes then. Cleaning such a segment again frees nothing, and in urgent mode it
+        # would be picked again at once, forever: it waits until its live bytes change.
+        self._unmovable: dict[int, int] = {}
         self.no_room = Episode("NVMe tier cleaning")
 
     def kick(self) -> None:
@@ -151,7 +158,8 @@ class Cleaner:
         best, best_score = None, 0.0
         open_ids = {s.seg_id for s in self.nvme.open_segment.values()}
         for seg in self.nvme.segments.values():
-            if seg.seg_id in open_ids or seg.deleted or seg.hold:
+            if (seg.seg_id in open_ids or seg.deleted or seg.hold
+                    or self._unmovable.get(seg.seg_id) == seg.live_bytes):
                 continue
             u = min(1.0, max(0, seg.live_bytes) / size)
             if u > max_u:
@@ -230,6 +238,7 @@ class Cleaner:
         self.nvme.pin(seg.seg_id)
         self.cleaning = True
         moved_to: dict[int, Segment] = {}
+        complete = False
         try:
             records = await trio.to_thread.run_sync(self.nvme.scan, seg.seg_id,
                                                     limiter=store.limiter)
@@ -250,6 +259,8 @@ class Cleaner:
                     moved_to[dst.seg_id] = dst
                 if mode != "urgent" and self.mode() != "urgent":
                     await self._pace(loc.rec_len, self.idle_rate if mode == "idle" else self.rate)
+            else:
+                complete = True
             self.faults.reached("gc.moved")
             if moved_to:
                 await self._make_durable(list(moved_to.values()))
@@ -262,8 +273,13 @@ class Cleaner:
         self.nvme._maybe_delete(seg)
         if seg.deleted:
             self.segments_cleaned += 1
+            self._unmovable.pop(seg.seg_id, None)
             if self.nvme.free_segments() > self.nvme.gc_reserved:
                 self.no_room.over()
+        elif complete and self._unmovable.get(seg.seg_id) != seg.live_bytes:
+            log.error("cleaning segment %d: %d bytes of live records in it could not be "
+                      "moved (unreadable); left as they are", seg.seg_id, seg.live_bytes)
+            self._unmovable[seg.seg_id] = seg.live_bytes
         return not stuck
 
     async def _move(self, seg: Segment, off: int, h: RecordHeader, loc) -> Segment | None:

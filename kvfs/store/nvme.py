@@ -21,6 +21,7 @@ import errno
 import logging
 import mmap
 import os
+import re
 import struct
 import threading
 import time
@@ -44,6 +45,7 @@ SEGMENT_VERSION = 1
 HEADER = struct.Struct("<IHBBQQQIIQ12x")  # 60 bytes, then header_check u32
 HEADER_SIZE = 64
 SEGMENT_HEADER = struct.Struct("<IHBxI16sQ")
+SEGMENT_NAME = re.compile(r"seg-(\d{8})\.kvs")
 T = TypeVar("T")
 
 
@@ -151,7 +153,8 @@ class StreamCounters:
 class NvmeLog:
     """Segments, streams, appends and reads. Accounting of live bytes is driven by the store."""
 
-    def __init__(self, directory: str, fs_uuid: str, capacity: int, segment_size: int) -> None:
+    def __init__(self, directory: str, fs_uuid: str, capacity: int, segment_size: int, *,
+                 read_only: bool = False) -> None:
         self.directory = os.path.join(directory, "segments")
         os.makedirs(self.directory, exist_ok=True)
         self.fs_uuid = uuidlib.UUID(fs_uuid).bytes
@@ -172,18 +175,36 @@ class NvmeLog:
         self.streams: dict[int, StreamCounters] = {}
         self.on_new_segment = lambda: None  # the cleaner's kick: free space just shrank
         self.gc_reserved = 2  # segments only the cleaner may open
-        self._discover()
+        self._discover(read_only)
 
     # -- segments --------------------------------------------------------------------------
-    def _discover(self) -> None:
+    def _discover(self, read_only: bool) -> None:
         for name in sorted(os.listdir(self.directory)):
-            if not (name.startswith("seg-") and name.endswith(".kvs")):
+            m = SEGMENT_NAME.fullmatch(name)
+            if m is None:
                 continue
+            # A new segment never takes the name of a file that is there, whatever it holds
+            # (its creation would fail with EEXIST, and every write-back with it).
+            self.next_seg = max(self.next_seg, int(m.group(1)) + 1)
             path = os.path.join(self.directory, name)
-            # A file the daemon may not open fails the mount (the OSError names it): left
-            # out, its records would read as lost.
-            with open(path, "rb") as f:  # buffered: O_DIRECT wants aligned buffers
-                head = f.read(SEGMENT_HEADER.size)
+            try:
+                with open(path, "rb") as f:  # buffered: O_DIRECT wants aligned buffers
+                    head = f.read(SEGMENT_HEADER.size)
+            except OSError as exc:
+                if not read_only:
+                    # A file the daemon may not open fails the mount (the OSError names
+                    # it): left out, its records would read as lost.
+                    raise
+                log.warning("ignoring %s: %s", path, exc.strerror)  # (fsck: they are lost)
+                continue
+            if not head:
+                # Created, and the daemon stopped before it wrote the header block, which
+                # comes before any record: the file never held anything.
+                log.info("%s: an empty segment file left by a crash%s", path,
+                         "" if read_only else "; removed")
+                if not read_only:
+                    os.unlink(path)
+                continue
             try:
                 magic, version, stream, seg_id, fsid, _ = SEGMENT_HEADER.unpack(head)
             except struct.error:
@@ -344,7 +365,14 @@ class NvmeLog:
             seg.deleted = True
             del self.segments[seg.seg_id]
             self.counters(seg.stream).segments_freed += 1
-            os.unlink(seg.path)
+            try:
+                os.unlink(seg.path)
+            except OSError as exc:
+                # Nothing names its records any more; what is at its path is not ours to
+                # fix. The request whose commit let it go must not fail for it (this runs
+                # after that commit), and its name is never reused (`_discover`).
+                log.error("segment %d is no longer used but %s could not be removed: %s",
+                          seg.seg_id, seg.path, exc.strerror)
             if seg.readers == 0:
                 os.close(seg.fd)
 
