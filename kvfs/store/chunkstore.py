@@ -194,7 +194,7 @@ class ChunkStore:
         # Chunks written over in DRAM -> the NVMe-only location of their last written-back
         # bytes, until the new ones are written back (`_shadow`).
         self.shadows: dict[tuple[int, int], Loc] = {}
-        self.shadow_from: dict[tuple[int, int], int] = {}  # ... rewritten from this byte on
+        self.shadow_kept: dict[tuple[int, int], int] = {}  # ... its bytes still the file's
         # Files the kernel is writing straight into their DRAM file (start_stream), and the
         # ones whose bytes are being taken (take_stream) -> done; each -> the room promised
         # to it (its expected size), part of `dram_load` until it is taken.
@@ -320,10 +320,10 @@ class ChunkStore:
         return from_key2(k), parse_loc(v, self.cs)
 
     def _parse_shadow(self, k: bytes, v: bytes) -> tuple[tuple[int, int], Loc, int]:
-        """A `shadows` entry: its key, location and (format 4) the first byte written since
-        (before format 4, 0: the whole chunk is suspect)."""
-        written_from = U32.unpack(v[LOC.size:])[0] if len(v) != LOC.size else 0
-        return from_key2(k), parse_loc(v[:LOC.size], self.cs), written_from
+        """A `shadows` entry: its key, location and (format 4) how many of the chunk's
+        bytes it still holds for the file (before format 4, 0: the whole chunk is suspect)."""
+        kept = U32.unpack(v[LOC.size:])[0] if len(v) != LOC.size else 0
+        return from_key2(k), parse_loc(v[:LOC.size], self.cs), kept
 
     def _load_shadows(self, fixes, owned: dict[int, list[tuple[int, int]]]
                       ) -> list[tuple[int, int]]:
@@ -331,7 +331,7 @@ class ChunkStore:
         was lost with DRAM goes back to its shadow (the bytes last written back, which an
         fsync may have promised). Returns the keys of shadows that are no more."""
         stale = []
-        for key, shadow, written_from in self.meta.load("shadows", self._parse_shadow):
+        for key, shadow, kept in self.meta.load("shadows", self._parse_shadow):
             now = self.get(*key)
             segment = self.nvme.segments.get(shadow.seg)  # (None for HOLE)
             if (now is None or now.seg or (shadow.seg and segment is None)
@@ -342,30 +342,31 @@ class ChunkStore:
                 segment.live_bytes += shadow.rec_len
             if now.dram_slot >= 0:
                 self.shadows[key] = shadow
-                self.shadow_from[key] = written_from
+                self.shadow_kept[key] = kept
                 self.nvme_live += shadow.rec_len
                 continue
             log.warning("inode %d chunk %d: back to the bytes last written back (the newer "
                         "ones were only in DRAM, which is gone)", *key)
-            if now.raw_len > shadow.raw_len and written_from > shadow.raw_len:
-                # what lay between its end and the first byte written since was zeros, and
-                # as durable as the rest: those stay, what was written is lost (EIO)
-                back = self._shadow_start(*key, shadow, written_from, tail_lost=True)
-            elif now.raw_len > shadow.raw_len and shadow.seg:  # written past it: EIO there
-                back = shadow._replace(flags=shadow.flags | TAIL_LOST)
-            elif now.raw_len > shadow.raw_len:  # a hole written from its start: all lost
+            # The chunk's first *kept* bytes go back to the shadow's (zeros past its end: a
+            # hole then, as durable as the rest); what the file gained past them since was
+            # only in DRAM: EIO there.
+            if now.raw_len > kept and kept == 0:
                 back = now._replace(dram_slot=-1, seg=0, flags=LOST)
-            elif now.raw_len < shadow.raw_len:  # truncated since: only its start is the file's
-                back = self._shadow_start(*key, shadow, now.raw_len)
-            else:
+            elif now.raw_len > kept and kept == shadow.raw_len and shadow.seg:
+                back = shadow._replace(flags=shadow.flags | TAIL_LOST)
+            elif now.raw_len > kept:
+                back = self._shadow_start(*key, shadow, kept, tail_lost=True)
+            elif now.raw_len == shadow.raw_len and shadow.seg:
                 back = shadow
+            else:
+                back = self._shadow_start(*key, shadow, now.raw_len)
             if back.dram_slot >= 0:
                 # Rebuilt in DRAM from the shadow (`_shadow_start`): the shadow stays until
                 # those bytes are written back, so that DRAM lost again before that takes
                 # the chunk back to it again (without it the chunk, fsync'ed bytes and all,
                 # would be lost).
                 self.shadows[key] = shadow
-                self.shadow_from[key] = written_from
+                self.shadow_kept[key] = kept
                 self.nvme_live += shadow.rec_len
                 owned.setdefault(key[0], []).append((key[1], back.raw_len))
                 self.policy.inserted(key)
@@ -516,12 +517,13 @@ class ChunkStore:
             self.index.set(ino, c, tuple(loc))
 
     def _replace(self, txn, ino: int, c: int, old: Loc | None, new: Loc | None,
-                 written_from: int | None = None) -> None:
+                 kept: int | None = None) -> None:
         """Swap a chunk's location; copies the new one no longer names are released after
-        the commit. *written_from*: the first byte of the chunk the change rewrote (a
-        write's start, a truncation's cut), for the shadow it may leave (`_shadow`); None
-        for a change of no byte (sealing, unsealing, a write-back, a drop), which leaves
-        a shadow's as it is."""
+        the commit. *kept*, for a change of bytes: how many of the chunk's bytes before
+        it are still the file's after it (a write's or a punch's chunk extent before it,
+        `_extent`; a truncation's cut), for the shadow it may leave (`_shadow`); None for
+        a change of no byte (sealing, unsealing, a write-back, a drop), which leaves a
+        shadow as it is."""
         self._account(ino, old, new)
         self._store_loc(txn, ino, c, new)
         key = (ino, c)
@@ -536,18 +538,16 @@ class ChunkStore:
                                             (old.seg, old.off)):
             if new is not None and not new.seg and key not in self.shadows:
                 # written over: kept until written back
-                self._shadow(txn, key, nvme_only(old), written_from or 0)
+                self._shadow(txn, key, nvme_only(old), kept or 0)
             else:
                 seg, rec_len = old.seg, old.rec_len
                 self.meta.after_commit(lambda: self.nvme.mark_dead(seg, rec_len))
-        elif (old is None and new is not None and not new.seg and written_from
-              and key not in self.shadows):
-            self._shadow(txn, key, HOLE, written_from)  # written into a hole, not from its start
+        elif old is None and new is not None and not new.seg and kept and key not in self.shadows:
+            self._shadow(txn, key, HOLE, kept)  # written into a hole inside the file
         if key in self.shadows and (new is None or new.seg):
             self._unshadow(txn, key)  # the new bytes are on NVMe (or the chunk is gone)
-        elif (key in self.shadows and written_from is not None
-              and written_from < self.shadow_from.get(key, 0)):
-            self._shadow(txn, key, self.shadows[key], written_from)
+        elif key in self.shadows and kept is not None and kept < self.shadow_kept[key]:
+            self._shadow(txn, key, self.shadows[key], kept)
         if new is not None and new.dram_slot >= 0:
             if old is None or old.dram_slot != new.dram_slot:
                 self.policy.inserted(key)
@@ -556,22 +556,21 @@ class ChunkStore:
             else:
                 self.dirty_since.pop(key, None)
 
-    def _shadow(self, txn, key: tuple[int, int], loc: Loc, written_from: int) -> None:
-        """A chunk's NVMe record (*loc*), or the hole it was (HOLE), is written over in DRAM
-        from byte *written_from* on (or lower, for a shadow kept already): keep it, in
-        lmdb's `shadows`, until the new bytes are written back. An fsync may have made it
-        durable, and a DRAM tier lost before that writeback must take the chunk back to it,
-        not lose it (`_load`): and what lay between its end and *written_from* (zeros) was
-        durable too."""
+    def _shadow(self, txn, key: tuple[int, int], loc: Loc, kept: int) -> None:
+        """A chunk's NVMe record (*loc*), or the hole it was (HOLE), is written over in DRAM,
+        and its first *kept* bytes (zeros past the record's end) are still the file's: keep
+        it, in lmdb's `shadows`, until the new bytes are written back. An fsync may have
+        made those bytes durable, and a DRAM tier lost before that writeback must take the
+        chunk back to them, not lose them (`_load_shadows`). Bytes the file gained past
+        *kept* since (appended, or after a cut) were only in DRAM: they are lost then."""
         if key not in self.shadows:
             self.nvme_live += loc.rec_len
         self.shadows[key] = loc
-        self.shadow_from[key] = written_from
-        txn.put(key2(*key), LOC.pack(*loc) + U32.pack(written_from),
-                db=self.meta.db["shadows"])
+        self.shadow_kept[key] = kept
+        txn.put(key2(*key), LOC.pack(*loc) + U32.pack(kept), db=self.meta.db["shadows"])
 
     def _unshadow(self, txn, key: tuple[int, int]) -> None:
-        self.shadow_from.pop(key, None)
+        self.shadow_kept.pop(key, None)
         loc = self.shadows.pop(key)
         txn.delete(key2(*key), db=self.meta.db["shadows"])
         self.nvme_live -= loc.rec_len
@@ -588,10 +587,10 @@ class ChunkStore:
         elif shadow is not None and (shadow.seg, shadow.off, shadow.seq) == (
                 old.seg, old.off, old.seq):
             with self.meta.write() as txn:
-                written_from = self.shadow_from.get((ino, c), 0)
+                kept = self.shadow_kept.get((ino, c), 0)
                 self._unshadow(txn, (ino, c))
                 self._shadow(txn, (ino, c), shadow._replace(seg=seg, off=off, rec_len=rec_len),
-                             written_from)
+                             kept)
         else:
             self.nvme.mark_dead(seg, rec_len)
 
@@ -1290,10 +1289,11 @@ class ChunkStore:
             self.abort_write(plan)  # cannot happen: nothing runs between plan and finish
             raise RuntimeError(f"inode {plan.ino}: chunks changed during a write")
         with self.meta.write() as txn:
-            for c, start, stop, loc in plan.pieces:
+            for c, _start, stop, loc in plan.pieces:
                 in_place = loc is not None and loc.dram_slot >= 0
                 length = max(loc.raw_len, stop) if in_place else stop
-                self._replace(txn, plan.ino, c, loc, self._dram_loc(length), written_from=start)
+                self._replace(txn, plan.ino, c, loc, self._dram_loc(length),
+                              kept=self._extent(plan.ino, c))
             if on_commit is not None:
                 c, _, stop, _ = plan.pieces[-1]
                 on_commit(c * self.cs + stop)
@@ -1372,7 +1372,7 @@ class ChunkStore:
         if loc is not None and loc.flags & TAIL_LOST and whole is None:
             new = new._replace(flags=new.flags | TAIL_LOST)  # its end is still lost
         with self.meta.write() as txn:
-            self._replace(txn, ino, c, loc, new, written_from=start)
+            self._replace(txn, ino, c, loc, new, kept=self._extent(ino, c))
             if on_commit is not None:
                 on_commit()
         if whole is not None:
@@ -1435,6 +1435,11 @@ class ChunkStore:
             sums.append(hash_bytes(view))
         return sums
 
+    def _extent(self, ino: int, c: int) -> int:
+        """How many bytes of chunk *c* lie inside the file now (0 if its size is unknown)."""
+        size = self.size_of(ino) or 0
+        return min(self.cs, max(0, size - c * self.cs))
+
     def _nchunks(self, size: int) -> int:
         return (size + self.cs - 1) // self.cs
 
@@ -1492,7 +1497,7 @@ class ChunkStore:
                 # seq, unsealed: sealed again at close, or at mount.
                 new = (loc._replace(raw_len=cut) if loc.flags & LOST else
                        Loc(IN_DRAM, 0, 0, 0, cut, 0, CODEC_RAW, 0, 0, self._next_seq()))
-                self._replace(txn, ino, last, loc, new, written_from=cut)
+                self._replace(txn, ino, last, loc, new, kept=cut)
             if on_commit is not None:
                 on_commit()
         self.dram.truncate(ino, new_size)
@@ -1550,7 +1555,8 @@ class ChunkStore:
                     continue
                 self._replace(txn, ino, c, loc, Loc(IN_DRAM, 0, 0, 0, loc.raw_len, 0,
                                                     CODEC_RAW, loc.flags & TAIL_LOST, 0,
-                                                    self._next_seq()), written_from=start)
+                                                    self._next_seq()),
+                              kept=self._extent(ino, c))
                 zero.append((c * cs + start, stop - start))
             if on_commit is not None:
                 on_commit()

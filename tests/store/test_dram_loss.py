@@ -60,12 +60,13 @@ def test_fsynced_bytes_survive_losing_dram_twice(kv, change):
         assert _read(kv, "f", off, len(want)) == want
 
 
-def test_a_hole_written_from_its_start_and_lost_is_eio(kv):
+def test_a_hole_written_from_its_start_goes_back_to_the_hole_with_dram_lost(kv):
     """A hole an fsync made durable, written from its very start since, then DRAM lost:
-    nothing of it is left to go back to. It is lost (EIO), like a chunk that was only in
-    DRAM; it used to become a chunk with no copy anywhere that was not marked lost, which
-    failed the file's opens with a traceback (segment 0 does not exist) and made read-ahead
-    retry it forever (365,000 tracebacks in a crash loop's log)."""
+    the chunk goes back to the hole (zeros: the bytes it had at the fsync), as a chunk with
+    a record goes back to that record. It once became a chunk with no copy anywhere that
+    was not marked lost, which failed the file's opens with a traceback (segment 0 does not
+    exist) and made read-ahead retry it forever (365,000 tracebacks in a crash loop's
+    log); then it was lost whole (EIO), the durable zeros after the write with it."""
     p = kv.path / "f"
     data = os.urandom(CHUNK)
     fd = os.open(p, os.O_CREAT | os.O_RDWR)
@@ -86,17 +87,38 @@ def test_a_hole_written_from_its_start_and_lost_is_eio(kv):
     kv.reboot()
     kv.start()
     assert _read(kv, "f", 0, CHUNK) == data
-    with pytest.raises(OSError) as ei:
-        _read(kv, "f", CHUNK, CHUNK)
-    assert ei.value.errno == errno.EIO
-    assert _read(kv, "f", 2 * CHUNK, CHUNK) == bytes(CHUNK)
-    assert [c["lost"] for c in kv.where("f")] == [False, True]
+    assert _read(kv, "f", CHUNK, 2 * CHUNK) == bytes(2 * CHUNK)
     assert "Traceback" not in kv.log()
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: a shadow remembers the first byte changed "
-                   "since (a write's or a cut's), not the lowest cut apart: going back up to "
-                   "the chunk's new length brings cut-off bytes back")
+def test_bytes_appended_to_a_hole_chunk_and_lost_read_eio_not_zeros(kv):
+    """The file's end in a hole chunk (a truncation up), fsync'ed; then bytes appended
+    there, never fsync'ed, and DRAM lost: the zeros up to the old end come back, the
+    appended bytes read EIO, never zeros (they were never a hole)."""
+    p = kv.path / "f"
+    fd = os.open(p, os.O_CREAT | os.O_RDWR)
+    try:
+        os.pwrite(fd, b"a" * 1000, 0)
+        os.ftruncate(fd, CHUNK + 3000)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    kv.unmount()
+    kv.start()
+    fd = os.open(p, os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"b" * 7000, CHUNK + 3000)
+    finally:
+        os.close(fd)
+    kv.reboot()
+    kv.start()
+    assert _read(kv, "f", CHUNK, 3000) == bytes(3000)
+    with pytest.raises(OSError) as ei:
+        _read(kv, "f", CHUNK + 3000, 100)
+    assert ei.value.errno == errno.EIO
+    assert [c["lost"] for c in kv.where("f")] == [False, False]
+
+
 def test_bytes_a_truncation_cut_off_never_come_back_with_dram_lost(kv):
     """Cut by a truncation, then written past the cut (the zeros between read as zeros),
     then DRAM lost: the chunk should go back to its shadow only up to the cut. It goes
@@ -126,9 +148,6 @@ def test_bytes_a_truncation_cut_off_never_come_back_with_dram_lost(kv):
         assert gap == bytes(len(gap))
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: a shadow remembers the first byte written "
-                   "since, not the last; the fsync'ed zeros after the written range are lost "
-                   "with it (EIO)")
 def test_fsynced_zeros_after_a_write_survive_losing_dram(kv):
     """A hole an fsync made durable, written at its start since (bytes 0-999 of the
     chunk), then DRAM lost: the written bytes are lost (EIO), but the zeros after them were

@@ -113,16 +113,13 @@ async def test_fsynced_bytes_survive_a_write_past_their_end_and_the_loss_of_dram
         await kv.release(fh)
 
 
-@pytest.mark.xfail(strict=True, reason="the seal at the writer's close lowers the shadow's "
-                   "first written byte to 0 (ChunkStore._replace's default written_from)")
 @pytest.mark.parametrize("kept", [0, 4464], ids=["a hole chunk", "past a chunk's end"])
 async def test_fsynced_zeros_survive_a_write_after_them_a_close_and_the_loss_of_dram(tiers,
                                                                                       kept):
     """Zeros an fsync made durable (a file grown by truncate past its chunk's end) are data
     too: a later write after them, lost with DRAM, takes the chunk back to its shadow (or
-    its hole) and the zeros up to the write's first byte. tests/store/test_chunkstore.py::
-    test_fsynced_zeros_survive_losing_dram_after_a_write_into_their_chunk reboots before
-    the kernel's RELEASE reaches the daemon: with a pause before it, it fails too."""
+    its hole) up to the file's end before the write, also after the seal at the writer's
+    close (which once lowered the shadow's extent to 0: the whole chunk EIO)."""
     async with tiers.mount() as kv:
         fh = await kv.create("f")
         await kv.write(fh, 0, b"a" * (CHUNK + kept if kept else 1000))
