@@ -244,6 +244,9 @@ class HintBook:
     def __init__(self, *, ttl_s: float = 60.0) -> None:
         self.ttl_s = ttl_s
         self.keys: OrderedDict[Key, float] = OrderedDict()  # key -> time of the first hint
+        # ino -> its hinted chunks: a file's deletion forgets them without a walk of all
+        # hints (an engine deleting many hinted files made that quadratic)
+        self.by_ino: dict[int, set[int]] = {}
         self.repeats = 0
 
     def add(self, key: Key, now: float) -> bool:
@@ -252,10 +255,21 @@ class HintBook:
             self.repeats += 1
             return False
         self.keys[key] = now
+        self.by_ino.setdefault(key[0], set()).add(key[1])
         return True
 
+    def _drop(self, key: Key) -> None:
+        chunks = self.by_ino.get(key[0])
+        if chunks is not None:
+            chunks.discard(key[1])
+            if not chunks:
+                del self.by_ino[key[0]]
+
     def consumed(self, key: Key) -> bool:
-        return self.keys.pop(key, None) is not None
+        if self.keys.pop(key, None) is None:
+            return False
+        self._drop(key)
+        return True
 
     def expired(self, now: float) -> list[Key]:
         out = []
@@ -264,11 +278,12 @@ class HintBook:
             if now - t < self.ttl_s:
                 break
             self.keys.popitem(last=False)
+            self._drop(key)
             out.append(key)
         return out
 
     def forget(self, ino: int) -> list[Key]:
-        gone = [k for k in self.keys if k[0] == ino]
+        gone = [(ino, c) for c in self.by_ino.pop(ino, ())]
         for k in gone:
             del self.keys[k]
         return gone

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections import OrderedDict
 from types import SimpleNamespace
 
 import trio
@@ -229,6 +230,29 @@ def test_hintbook_dedups_and_expires():
     h.add((3, 0), 20.0)
     h.add((3, 1), 20.0)
     assert sorted(h.forget(3)) == [(3, 0), (3, 1)]
+    assert h.forget(3) == [] and not h.keys and not h.by_ino  # nothing left behind
+
+
+def test_hintbook_forgets_a_file_without_walking_every_hint():
+    """Forgetting a file costs its own hints, not all of them (each deletion walked every
+    outstanding hint: quadratic when an engine deletes many hinted files)."""
+
+    class Walked(OrderedDict):
+        walks = 0
+
+        def __iter__(self):
+            Walked.walks += 1
+            return super().__iter__()
+
+    h = HintBook(ttl_s=60)
+    h.keys = Walked()
+    for ino in range(1000):
+        h.add((ino, 0), 0.0)
+        h.add((ino, 1), 0.0)
+    for ino in range(1000):
+        assert sorted(h.forget(ino)) == [(ino, 0), (ino, 1)]
+    assert Walked.walks == 0
+    assert not h.keys and not h.by_ino
 
 
 # -- the facade: events -> windows -> wanted chunks ----------------------------------------------
