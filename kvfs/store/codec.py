@@ -141,8 +141,8 @@ CODEC_NAMES: dict[int, str] = {
 # planar codecs: id -> (element size k, bit rotation of 16-bit elements)
 _ZSTD_PLANAR = {CODEC_SHUF2: (2, 0), CODEC_SHUF2_ROT1: (2, 1), CODEC_SHUF4: (4, 0)}
 _HUF_PLANAR = {CODEC_HUF2: (2, 0), CODEC_HUF2_ROT1: (2, 1), CODEC_HUF4: (4, 0)}
-# old zstd-planar codec -> its Huffman successor
-_HUF_OF = {CODEC_SHUF2: CODEC_HUF2, CODEC_SHUF2_ROT1: CODEC_HUF2_ROT1, CODEC_SHUF4: CODEC_HUF4}
+# Huffman codec -> the zstd-planar codec it succeeds (same layout)
+_PREDECESSOR = {CODEC_HUF2: CODEC_SHUF2, CODEC_HUF2_ROT1: CODEC_SHUF2_ROT1, CODEC_HUF4: CODEC_SHUF4}
 
 _CHECK = struct.Struct("<I")
 _ENTROPY_SAMPLE = 32 * 1024  # enough for stable byte histograms, ~10 us
@@ -277,10 +277,10 @@ class Codec:
             size1 = self._trial_size(mv, CODEC_ZSTD)
             if size1 < size - 0.03 * n:
                 codec, size = CODEC_ZSTD, size1
-        if codec in _HUF_PLANAR:
+        if codec in _PREDECESSOR:
             # the zstd planes of the older codec win only on data with long repeats (its LZ
             # finds them in the high plane too), and only by a clear margin
-            old = next(c for c, h in _HUF_OF.items() if h == codec)
+            old = _PREDECESSOR[codec]
             size_old = self._trial_size(mv, old)
             if size_old < size - 0.02 * n:
                 codec, size = old, size_old
