@@ -7,6 +7,7 @@ Every setting has a default that works on a fresh machine; sizes accept `64M`, `
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ DEFAULT_DRAM_DIR = "/dev/shm/kvfs"
 # many at most (the shim sizes it from `fast_open_files`).
 FAST_OPEN_FILES_MAX = 16384
 DEFAULT_NVME_DIR = "/var/lib/kvfs"
+
+log = logging.getLogger(__name__)
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
@@ -93,9 +96,6 @@ class Settings:
     # Demotion starts above the high watermark and stops below the low one (fractions of dram_size).
     dram_high_watermark: float = 0.90
     dram_low_watermark: float = 0.75
-    # Accepted for the mount lines of earlier versions, which reserved an arena's RAM at
-    # mount; DRAM files take their pages as chunks arrive and give them back as they leave.
-    dram_prefault: bool = True
     # FUSE passthrough (Linux 6.9+): a file opened for reading whose chunks are all in DRAM
     # is read by the kernel straight from its DRAM file, without a request to the daemon.
     passthrough: bool = True
@@ -206,8 +206,7 @@ class Settings:
 
 
 _BOOL_OPTIONS = {"cache_mode", "foreground", "debug", "allow_other", "compress", "prefetch",
-                 "dram_prefault", "dram_compress", "passthrough", "dram_huge",
-                 "fast_open", "front_reads"}
+                 "dram_compress", "passthrough", "dram_huge", "fast_open", "front_reads"}
 _FLOAT_OPTIONS = {"dram_high_watermark", "dram_low_watermark"}
 _INT_OPTIONS = {"io_threads", "readahead_chunks", "streams", "prefetch_concurrency",
                 "fast_open_files"}
@@ -215,15 +214,25 @@ _INT_OPTIONS = {"io_threads", "readahead_chunks", "streams", "prefetch_concurren
 IGNORED_MOUNT_OPTIONS = {"rw", "defaults", "auto", "noauto", "user", "nouser", "nofail", "_netdev",
                          "dev", "nodev", "suid", "nosuid", "exec", "noexec", "atime", "noatime",
                          "relatime", "x-systemd.automount"}
+# Options of earlier versions that no longer do anything, and why: still accepted in any form
+# (`name`, `noname`, `name=value`) so that the mount lines written for them keep working.
+RETIRED_OPTIONS = {
+    "dram_prefault": "it reserved the DRAM arena's RAM at mount; since format 3 each DRAM file "
+                     "takes its pages as chunks arrive",
+}
 
 
 def apply_options(settings: Settings, options: str) -> None:
     """Apply a mount(8)-style `key=val,flag,...` string to *settings*."""
     names = {f.name for f in dataclasses.fields(Settings)} - {"mountpoint", "extra"}
+    retired: dict[str, None] = {}  # in the order given, once each
     for item in filter(None, (o.strip() for o in options.split(","))):
         key, sep, value = item.partition("=")
         key = key.replace("-", "_")
         if key in IGNORED_MOUNT_OPTIONS or key.startswith("x-"):
+            continue
+        if (name := key[2:] if key.startswith("no") and not sep else key) in RETIRED_OPTIONS:
+            retired[name] = None
             continue
         if key.startswith("no") and key[2:] in _BOOL_OPTIONS and not sep:
             setattr(settings, key[2:], False)
@@ -246,6 +255,9 @@ def apply_options(settings: Settings, options: str) -> None:
                 raise ConfigError(f"option {key}: not an integer: {value!r}") from None
         else:
             setattr(settings, key, value)
+    if retired:
+        log.warning("ignoring retired mount option%s: %s", "s" if len(retired) > 1 else "",
+                    "; ".join(f"{name} ({RETIRED_OPTIONS[name]})" for name in retired))
 
 
 def _parse_bool(key: str, value: str) -> bool:

@@ -320,7 +320,6 @@ cdef extern from *:
         return kv_entropy(h[0], n);
     }
     """
-    int kv_simd_level() nogil
     void kv_init_tables() nogil
     void kv_entropy_profile(const uint8_t *src, size_t len, double *out) nogil
     double kv_u16_entropy(const uint8_t *src, size_t n, int shift) nogil
@@ -333,11 +332,6 @@ from cpython.bytearray cimport PyByteArray_FromStringAndSize
 from libc.string cimport memcpy
 
 kv_init_tables()  # the entropy table, before any function of this module can run
-
-
-def simd_level() -> int:
-    """0 = plain C, 1 = SSE2, 2 = AVX2: the best path this CPU runs."""
-    return kv_simd_level()
 
 
 cdef inline int _check_rot(int rot) except -1:

@@ -34,7 +34,6 @@ KIND_WHOLE = "whole_file"
 KIND_WRITE = "write_order"
 KIND_READ = "successor"
 KIND_HINT = "hint"
-KINDS = (KIND_WHOLE, KIND_WRITE, KIND_READ, KIND_HINT)
 
 
 class CallerStreams:

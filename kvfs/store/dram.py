@@ -177,7 +177,6 @@ class DramFiles:
         self._trash_seq = itertools.count()
         self._disposals: list[tuple[str, int]] = []  # (trash path, fd or -1) to remove
         self.on_disposal_queued: Callable[[], None] = lambda: None
-        self.disposed = 0  # files removed since mount
 
     def path(self, ino: int) -> str:
         return os.path.join(self.files_dir, f"{ino:x}")
@@ -438,9 +437,6 @@ class DramFiles:
         if done < len(view):
             view[done:] = bytes(len(view) - done)
 
-    def region_offset(self, c: int) -> int:
-        return c * self.chunk_size
-
     # -- passthrough pins ----------------------------------------------------------------------
     def pin(self, ino: int) -> None:
         """*ino* is open in passthrough mode: its file must stay (the kernel reads it)."""
@@ -465,7 +461,6 @@ class DramFiles:
             os.rename(self.path(ino), trash)
         except FileNotFoundError:
             trash = ""
-        self.disposed += 1
         if f is None:
             if trash:
                 self._queue_disposal(trash, -1)

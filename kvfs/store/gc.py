@@ -54,7 +54,6 @@ from kvfs.store.streams import HINT_NAMES, StreamTable, device_info
 
 log = logging.getLogger(__name__)
 
-STREAM_GC = 1
 # Background cleaning starts when fewer segments than this share of the tier are free.
 FREE_TARGET = 0.02
 # ... and stops this many segments (share of the tier, at least one) above that.

@@ -21,20 +21,6 @@ def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-MADV_POPULATE_WRITE = 23  # Linux 5.14+
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
-
-
-def populate_write(address: int, length: int) -> None:
-    """Fault a mapped range in, writable, as a write would (madvise MADV_POPULATE_WRITE);
-    the GIL is released meanwhile. EINVAL: the kernel is older than 5.14. EFAULT: a page
-    could not be had (a full tmpfs)."""
-    if _libc.madvise(address, length, MADV_POPULATE_WRITE) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
 def punch_hole(fd: int, offset: int, length: int) -> None:
     """Deallocate a byte range (reads return zeros) without changing the file size."""
     fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length)
