@@ -44,16 +44,15 @@ from functools import partial
 
 import trio
 
-from kvfs._index import ChunkIndex
 from kvfs.faults import Faults
 from kvfs.nursery import open_nursery
+from kvfs.store.chunkmap import ChunkMap
 from kvfs.store.codec import CODEC_RAW, Codec, CodecError
 from kvfs.store.dram import OPEN_FILES, DramFile, DramFiles, pages
 from kvfs.store.episode import Episode
 from kvfs.store.fetch import Fetches, StageWatch
 from kvfs.store.location import (
     HASH_RELEASES_GIL,
-    HOLE,
     IN_DRAM,
     LOC,
     LOST,
@@ -139,28 +138,25 @@ class ChunkStore:
         # When a read hashes a chunk's DRAM copy first (see `_check_needed`).
         self.dram_verify = dram_verify
         self.policy = policy
-        self.index = ChunkIndex(1 << 16)
         self.dram = DramFiles(dram_dir, fs_uuid, chunk_size, dram_size, dram_open_files)
         # Regions released by a commit give their pages back once the commit is done.
         meta.on_settled = self.dram.settle
         self.nvme = NvmeLog(nvme_dir, fs_uuid, nvme_size, segment_size)
         self.limiter = trio.CapacityLimiter(io_threads)
         self.counters = Counters()
-        # Accounting (bytes), kept exact by _account() on every location change.
-        self.dram_used = 0  # pages of chunk data in DRAM
+        # Locations, shadows and their accounting. A change tells the read-through memory
+        # (bytes read ahead may be old now) and the fetches (a DRAM copy went).
+        self.chunks = ChunkMap(meta, self.dram, self.nvme, policy, chunk_size=chunk_size,
+                               changing=lambda ino, c: self.through.changing(ino, c),
+                               dropped=lambda key: self.fetches.dropped(key))
+        m = self.chunks
+        self.index, self.shadows, self.dirty_since, self.file_bytes = (
+            m.index, m.shadows, m.dirty_since, m.file_bytes)
+        self.get, self.dram_pages, self.is_clean, self.nchunks = (
+            m.get, m.dram_pages, m.is_clean, m.nchunks)
+        self.relocated, self.live_record, self.reservation, self.blocks_bytes = (
+            m.relocated, m.live_record, m.reservation, m.blocks_bytes)
         self.dram_filling = 0  # pages of regions NVMe reads are filling, not committed yet
-        self.dram_logical = 0
-        self.dram_chunks = 0
-        self.dram_packed = 0  # chunks whose DRAM copy is packed
-        self.nvme_live = 0  # record bytes of live NVMe copies
-        self.nvme_logical = 0
-        self.nvme_chunks = 0
-        self.unbacked = 0  # DRAM pages that have no NVMe copy yet (count against capacity)
-        self.dirty_since: dict[tuple[int, int], float] = {}
-        self.file_bytes: dict[int, int] = {}
-        self.allocated: dict[int, int] = {}  # fallocate()d bytes per file
-        self.reserved = 0  # sum of reservation(ino): promised room not yet written
-        self.seq = 0
         self.space_waiters = 0
         self._space = trio.Event()
         self.dram_pinned_full = Episode("DRAM tier full of files open in passthrough mode")
@@ -191,10 +187,6 @@ class ChunkStore:
         # the file as soon as the worker has staged it. Set by the assembly.
         self.stage_watch: Callable[[int, int, int], StageWatch | None] = \
             lambda ino, c, fd: None
-        # Chunks written over in DRAM -> the NVMe-only location of their last written-back
-        # bytes, until the new ones are written back (`_shadow`).
-        self.shadows: dict[tuple[int, int], Loc] = {}
-        self.shadow_from: dict[tuple[int, int], int] = {}  # ... rewritten from this byte on
         # Files the kernel is writing straight into their DRAM file (start_stream), and the
         # ones whose bytes are being taken (take_stream) -> done; each -> the room promised
         # to it (its expected size), part of `dram_load` until it is taken.
@@ -232,9 +224,9 @@ class ChunkStore:
     # -- startup ---------------------------------------------------------------------------
     def _load(self) -> None:
         with self.meta.env.begin() as txn:
-            self.seq = self.meta.counter(txn, b"next_seq", 1)
+            self.chunks.seq = self.meta.counter(txn, b"next_seq", 1)
         for ino, n in self.meta.load("alloc", lambda k, v: (from_u64(k), from_u64(v))):
-            self.allocated[ino] = n
+            self.chunks.allocated[ino] = n
         arena = self._old_arena()
         lost_dram = not self.dram.survived
         fixes: list[tuple[int, int, Loc | None]] = []
@@ -247,7 +239,7 @@ class ChunkStore:
         if lost_dram:
             restream = set()
         for (ino, c), loc in self.meta.load("chunks", self._parse_chunk):
-            self.seq = max(self.seq, loc.seq + 1)
+            self.chunks.seq = max(self.chunks.seq, loc.seq + 1)
             if ino in restream:
                 fixes.append((ino, c, None))  # replaced below; its NVMe record is dead
                 continue
@@ -281,7 +273,7 @@ class ChunkStore:
             if loc.dram_slot >= 0:
                 owned.setdefault(ino, []).append((c, slot_len(loc)))
             self.index.set(ino, c, tuple(loc))
-            self._account(ino, None, loc)
+            self.chunks.account(ino, None, loc)
             if loc.dram_slot >= 0:
                 self.policy.inserted((ino, c))
                 if not loc.seg:
@@ -291,7 +283,7 @@ class ChunkStore:
         for ino in sorted(restream):
             self._restream(ino, owned, fixes)
         stale_shadows = self._load_shadows(fixes, owned)
-        self.reserved = sum(self.reservation(ino) for ino in self.allocated)
+        self.chunks.reserved = sum(self.chunks.reservation(ino) for ino in self.chunks.allocated)
         self.dram.adopt(owned)
         # Chunks caught mid-write by a crash were never sealed: seal what is there now.
         with self.meta.write() as txn:
@@ -299,14 +291,14 @@ class ChunkStore:
             self.meta.set_format(txn, FORMAT_VERSION)
             txn.drop(self.meta.db["writers"], delete=False)
             for ino, c, loc in fixes:
-                self._store_loc(txn, ino, c, loc)
+                self.chunks.store_loc(txn, ino, c, loc)
             for key in stale_shadows:
                 txn.delete(key2(*key), db=self.meta.db["shadows"])
             for ino, c, loc in self.index.items():
                 loc = Loc._make(loc)
                 if loc.dram_slot >= 0 and not loc.flags & SEALED:
                     csum = hash_bytes(self._dram_bytes(ino, c, loc.raw_len))
-                    self._store_loc(txn, ino, c, loc._replace(flags=loc.flags | SEALED,
+                    self.chunks.store_loc(txn, ino, c, loc._replace(flags=loc.flags | SEALED,
                                                               checksum=csum))
         if arena is not None:
             self.meta.sync()
@@ -342,8 +334,8 @@ class ChunkStore:
                 segment.live_bytes += shadow.rec_len
             if now.dram_slot >= 0:
                 self.shadows[key] = shadow
-                self.shadow_from[key] = written_from
-                self.nvme_live += shadow.rec_len
+                self.chunks.shadow_from[key] = written_from
+                self.chunks.nvme_live += shadow.rec_len
                 continue
             log.warning("inode %d chunk %d: back to the bytes last written back (the newer "
                         "ones were only in DRAM, which is gone)", *key)
@@ -365,8 +357,8 @@ class ChunkStore:
                 # the chunk back to it again (without it the chunk, fsync'ed bytes and all,
                 # would be lost).
                 self.shadows[key] = shadow
-                self.shadow_from[key] = written_from
-                self.nvme_live += shadow.rec_len
+                self.chunks.shadow_from[key] = written_from
+                self.chunks.nvme_live += shadow.rec_len
                 owned.setdefault(key[0], []).append((key[1], back.raw_len))
                 self.policy.inserted(key)
                 self.dirty_since[key] = time.monotonic()
@@ -375,7 +367,7 @@ class ChunkStore:
                     segment.live_bytes -= shadow.rec_len  # (nothing names it any more)
                 stale.append(key)
             self.index.set(*key, tuple(back))
-            self._account(key[0], now, back)
+            self.chunks.account(key[0], now, back)
             fixes.append((*key, back))
         return stale
 
@@ -399,9 +391,9 @@ class ChunkStore:
                 self.dram.fd(ino)
         except (ChunkError, RecordError, OSError) as exc:
             log.error("inode %d chunk %d: lost (%s)", ino, c, exc)
-            return Loc(-1, 0, 0, 0, length, 0, CODEC_RAW, LOST, 0, self._next_seq())
+            return Loc(-1, 0, 0, 0, length, 0, CODEC_RAW, LOST, 0, self.chunks.next_seq())
         return Loc(IN_DRAM, 0, 0, 0, length, 0, CODEC_RAW, TAIL_LOST if tail_lost else 0, 0,
-                   self._next_seq())
+                   self.chunks.next_seq())
 
     def _restream(self, ino: int, owned: dict[int, list[tuple[int, int]]], fixes) -> None:
         """At mount: a file the kernel was writing (passthrough) takes what its DRAM file
@@ -413,14 +405,14 @@ class ChunkStore:
             return
         size = self.dram.size(ino)
         data = self.dram.data_chunks(ino)
-        self.recovered_sizes[ino] = size, len(data) < self._nchunks(size)
+        self.recovered_sizes[ino] = size, len(data) < self.nchunks(size)
         for c in data:
             loc = Loc(IN_DRAM, 0, 0, 0, min(self.cs, size - c * self.cs), 0, CODEC_RAW, 0, 0,
-                      self._next_seq())
+                      self.chunks.next_seq())
             fixes.append((ino, c, loc))
             owned.setdefault(ino, []).append((c, loc.raw_len))
             self.index.set(ino, c, tuple(loc))
-            self._account(ino, None, loc)
+            self.chunks.account(ino, None, loc)
             self.policy.inserted((ino, c))
             self.dirty_since[(ino, c)] = time.monotonic()
         log.warning("inode %d: was being written when the daemon stopped; kept as its DRAM "
@@ -460,7 +452,7 @@ class ChunkStore:
     def close(self) -> None:
         self.through.close()
         with self.meta.write() as txn:
-            self.meta.set_counter(txn, b"next_seq", self.seq)
+            self.meta.set_counter(txn, b"next_seq", self.chunks.seq)
         self.dram.close()
         self.nvme.close()
 
@@ -478,142 +470,22 @@ class ChunkStore:
         self.dram.read_into(ino, c, view)
         return view
 
-    # -- location bookkeeping --------------------------------------------------------------
-    def _next_seq(self) -> int:
-        self.seq += 1
-        return self.seq
+    # -- the chunk map's counts, as other layers read them ----------------------------------
+    @property
+    def seq(self) -> int:
+        return self.chunks.seq
 
-    def _account(self, ino: int, old: Loc | None, new: Loc | None) -> None:
-        reserved_before = self.reservation(ino) if ino in self.allocated else 0
-        for loc, sign in ((old, -1), (new, 1)):
-            if loc is None:
-                continue
-            # st_blocks: what the file really occupies (NVMe record, else DRAM pages).
-            self.file_bytes[ino] = self.file_bytes.get(ino, 0) + sign * (
-                loc.rec_len if loc.seg else pages(loc.raw_len))
-            if loc.dram_slot >= 0:
-                self.dram_used += sign * pages(slot_len(loc))
-                self.dram_logical += sign * loc.raw_len
-                self.dram_chunks += sign
-                if loc.flags & PACKED:
-                    self.dram_packed += sign
-                if not loc.seg:
-                    self.unbacked += sign * pages(loc.raw_len)
-            if loc.seg:
-                self.nvme_live += sign * loc.rec_len
-                self.nvme_logical += sign * loc.raw_len
-                self.nvme_chunks += sign
-        if ino in self.allocated:
-            self.reserved += self.reservation(ino) - reserved_before
+    @property
+    def dram_used(self) -> int:
+        return self.chunks.dram_used
 
-    def _store_loc(self, txn, ino: int, c: int, loc: Loc | None) -> None:
-        self.through.changing(ino, c)  # before any change: bytes read ahead may be old now
-        if loc is None:
-            txn.delete(key2(ino, c), db=self.meta.db["chunks"])
-            self.index.pop(ino, c)
-        else:
-            txn.put(key2(ino, c), LOC.pack(*loc), db=self.meta.db["chunks"])
-            self.index.set(ino, c, tuple(loc))
+    @property
+    def unbacked(self) -> int:
+        return self.chunks.unbacked
 
-    def _replace(self, txn, ino: int, c: int, old: Loc | None, new: Loc | None,
-                 written_from: int | None = None) -> None:
-        """Swap a chunk's location; copies the new one no longer names are released after
-        the commit. *written_from*: the first byte of the chunk the change rewrote (a
-        write's start, a truncation's cut), for the shadow it may leave (`_shadow`); None
-        for a change of no byte (sealing, unsealing, a write-back, a drop), which leaves
-        a shadow's as it is."""
-        self._account(ino, old, new)
-        self._store_loc(txn, ino, c, new)
-        key = (ino, c)
-        if old is not None and old.dram_slot >= 0 and (new is None or
-                                                       new.dram_slot != old.dram_slot):
-            self.policy.removed(key)
-            self.dirty_since.pop(key, None)
-            self.fetches.dropped(key)
-            length = slot_len(old)
-            self.meta.after_commit(lambda: self.dram.release(ino, c, length))
-        if old is not None and old.seg and (new is None or (new.seg, new.off) !=
-                                            (old.seg, old.off)):
-            if new is not None and not new.seg and key not in self.shadows:
-                # written over: kept until written back
-                self._shadow(txn, key, nvme_only(old), written_from or 0)
-            else:
-                seg, rec_len = old.seg, old.rec_len
-                self.meta.after_commit(lambda: self.nvme.mark_dead(seg, rec_len))
-        elif (old is None and new is not None and not new.seg and written_from
-              and key not in self.shadows):
-            self._shadow(txn, key, HOLE, written_from)  # written into a hole, not from its start
-        if key in self.shadows and (new is None or new.seg):
-            self._unshadow(txn, key)  # the new bytes are on NVMe (or the chunk is gone)
-        elif (key in self.shadows and written_from is not None
-              and written_from < self.shadow_from.get(key, 0)):
-            self._shadow(txn, key, self.shadows[key], written_from)
-        if new is not None and new.dram_slot >= 0:
-            if old is None or old.dram_slot != new.dram_slot:
-                self.policy.inserted(key)
-            if not new.seg:
-                self.dirty_since.setdefault(key, time.monotonic())
-            else:
-                self.dirty_since.pop(key, None)
-
-    def _shadow(self, txn, key: tuple[int, int], loc: Loc, written_from: int) -> None:
-        """A chunk's NVMe record (*loc*), or the hole it was (HOLE), is written over in DRAM
-        from byte *written_from* on (or lower, for a shadow kept already): keep it, in
-        lmdb's `shadows`, until the new bytes are written back. An fsync may have made it
-        durable, and a DRAM tier lost before that writeback must take the chunk back to it,
-        not lose it (`_load`): and what lay between its end and *written_from* (zeros) was
-        durable too."""
-        if key not in self.shadows:
-            self.nvme_live += loc.rec_len
-        self.shadows[key] = loc
-        self.shadow_from[key] = written_from
-        txn.put(key2(*key), LOC.pack(*loc) + U32.pack(written_from),
-                db=self.meta.db["shadows"])
-
-    def _unshadow(self, txn, key: tuple[int, int]) -> None:
-        self.shadow_from.pop(key, None)
-        loc = self.shadows.pop(key)
-        txn.delete(key2(*key), db=self.meta.db["shadows"])
-        self.nvme_live -= loc.rec_len
-        self.meta.after_commit(lambda: self.nvme.mark_dead(loc.seg, loc.rec_len))
-
-    def relocated(self, ino: int, c: int, old: Loc, seg: int, off: int, rec_len: int) -> None:
-        """The cleaner copied a record: point the chunk (or its shadow) at the copy if
-        nothing changed."""
-        now = self.get(ino, c)
-        shadow = self.shadows.get((ino, c))
-        if now is not None and (now.seg, now.off, now.seq) == (old.seg, old.off, old.seq):
-            with self.meta.write() as txn:
-                self._replace(txn, ino, c, now, now._replace(seg=seg, off=off, rec_len=rec_len))
-        elif shadow is not None and (shadow.seg, shadow.off, shadow.seq) == (
-                old.seg, old.off, old.seq):
-            with self.meta.write() as txn:
-                written_from = self.shadow_from.get((ino, c), 0)
-                self._unshadow(txn, (ino, c))
-                self._shadow(txn, (ino, c), shadow._replace(seg=seg, off=off, rec_len=rec_len),
-                             written_from)
-        else:
-            self.nvme.mark_dead(seg, rec_len)
-
-    def live_record(self, ino: int, c: int, seg: int, off: int, seq: int) -> Loc | None:
-        """The location (the chunk's, or its shadow) that names the record at (*seg*,
-        *off*) with *seq*, or None if that record is dead (the cleaner's question)."""
-        for loc in (self.get(ino, c), self.shadows.get((ino, c))):
-            if loc is not None and (loc.seg, loc.off, loc.seq) == (seg, off, seq):
-                return loc
-        return None
-
-    def get(self, ino: int, c: int) -> Loc | None:
-        t = self.index.get(ino, c)
-        return None if t is None else Loc._make(t)
-
-    def dram_pages(self, key: tuple[int, int]) -> int:
-        loc = self.get(*key)
-        return pages(slot_len(loc)) if loc is not None and loc.dram_slot >= 0 else 0
-
-    def is_clean(self, key: tuple[int, int]) -> bool:
-        loc = self.get(*key)
-        return loc is None or loc.seg > 0
+    @property
+    def nvme_live(self) -> int:
+        return self.chunks.nvme_live
 
     # -- capacity --------------------------------------------------------------------------
     @property
@@ -629,11 +501,11 @@ class ChunkStore:
 
     @property
     def used(self) -> int:
-        return self.nvme_live + self.unbacked + self.reserved + (
+        return self.chunks.nvme_live + self.chunks.unbacked + self.chunks.reserved + (
             self.unseen_bytes() if self.streaming else 0)
 
     def _check_capacity(self, growth: int, ino: int) -> None:
-        if growth > 0 and ino in self.allocated:
+        if growth > 0 and ino in self.chunks.allocated:
             growth -= min(growth, self.reservation(ino))  # fallocate()d room is already counted
         if growth > 0 and (self.meta.room_low or self.used + growth > self.capacity):
             raise NoSpace()
@@ -643,15 +515,6 @@ class ChunkStore:
         need some): see kvfs.store.meta, META_STEP."""
         if self.meta.room_low:
             raise NoSpace()
-
-    # -- fallocate reservations ------------------------------------------------------------
-    def reservation(self, ino: int) -> int:
-        """Bytes fallocate() promised a file beyond what it stores now."""
-        return max(0, self.allocated.get(ino, 0) - self.file_bytes.get(ino, 0))
-
-    def blocks_bytes(self, ino: int) -> int:
-        """What the file occupies for st_blocks: stored bytes, or its allocation if larger."""
-        return max(self.file_bytes.get(ino, 0), self.allocated.get(ino, 0))
 
     def allocate(self, ino: int, offset: int, length: int) -> None:
         """fallocate(mode 0): reserve room for the holes in [offset, offset+length) so that
@@ -666,21 +529,8 @@ class ChunkStore:
         missing = pages(missing)
         if self.used + missing > self.capacity:
             raise NoSpace()
-        self._set_allocated(ino, max(self.allocated.get(ino, 0),
+        self.chunks.set_allocated(ino, max(self.chunks.allocated.get(ino, 0),
                                      self.file_bytes.get(ino, 0)) + missing)
-
-    def _set_allocated(self, ino: int, value: int) -> None:
-        before = self.reservation(ino)
-        if value:
-            self.allocated[ino] = value
-        else:
-            self.allocated.pop(ino, None)
-        self.reserved += self.reservation(ino) - before
-        with self.meta.write() as txn:
-            if value:
-                txn.put(u64(ino), u64(value), db=self.meta.db["alloc"])
-            else:
-                txn.delete(u64(ino), db=self.meta.db["alloc"])
 
     def notify_space(self) -> None:
         self._space.set()
@@ -694,7 +544,7 @@ class ChunkStore:
         deadline = trio.current_time() + DRAM_WAIT_S
         while self.dram_load + growth > self.dram.capacity:
             if not self._drop_one_clean():
-                if self.dram_chunks == 0:
+                if self.chunks.dram_chunks == 0:
                     return True  # a single write bigger than DRAM: let it through
                 if self.nvme_full.met_within(FULL_RETRY_S):
                     raise NoSpace()  # nothing leaves DRAM: at once, not after a wait
@@ -717,7 +567,7 @@ class ChunkStore:
         (passthrough; adopted writers may grow such a file past PASSTHROUGH_SHARE). Writes
         waiting for room go over the tier's size for a while instead of waiting for good."""
         self.dram_pinned_full.failed(
-            f"{self.dram_used >> 20} MiB in DRAM, all of it held by files open in "
+            f"{self.chunks.dram_used >> 20} MiB in DRAM, all of it held by files open in "
             f"passthrough mode: writes go over the tier's {self.dram.capacity >> 20} MiB")
         self.notify_space()
 
@@ -762,7 +612,7 @@ class ChunkStore:
         first, last = off // cs, (end - 1) // cs
         through = self.through.reads(ino, file_size)
         if through:
-            self.through.sequential(ino, first, last, self._nchunks(file_size), end // cs)
+            self.through.sequential(ino, first, last, self.nchunks(file_size), end // cs)
         if first == last:
             return await self._read_piece(ino, first, off - first * cs, end - off, verified,
                                           through)
@@ -816,7 +666,7 @@ class ChunkStore:
                     if hash_bytes(view) != loc.checksum:
                         self.counters.checksum_errors += 1
                         raise ChunkError(f"inode {ino} chunk {c}: checksum mismatch in DRAM")
-                    self._mark_checked(ino, c, loc)
+                    self.mark_checked(ino, c, loc)
                     view = view[start:]
                 else:  # only the bytes asked for
                     view = self._dram_bytes_at(ino, c, start, min(length, loc.raw_len - start))
@@ -855,15 +705,15 @@ class ChunkStore:
         return not self.dram.checked(ino, c, loc.seq,
                                      consume=consume and self.dram_verify == "open")
 
-    def _mark_checked(self, ino: int, c: int, loc: Loc) -> None:
+    def mark_checked(self, ino: int, c: int, loc: Loc) -> None:
         """The region holds exactly the bytes of *loc*'s checksum (dram_verify=once)."""
         if self.dram_verify == "once":
             self.dram.mark_checked(ino, c, loc.seq)
 
     def _record_latency(self, t0: float, tier: list[int]) -> None:
-        self._record_us(int((time.perf_counter() - t0) * 1e6), tier)
+        self.record_us(int((time.perf_counter() - t0) * 1e6), tier)
 
-    def _record_us(self, us: int, tier: list[int]) -> None:
+    def record_us(self, us: int, tier: list[int]) -> None:
         """A read of *us* microseconds in the histograms (log2 buckets): all, and *tier*'s."""
         bucket = min(23, us.bit_length())
         self.counters.read_latency_us[bucket] += 1
@@ -873,7 +723,7 @@ class ChunkStore:
     def dram_load(self) -> int:
         """DRAM bytes in use: chunks' pages, regions that NVMe reads are filling and the room
         promised to files the kernel is writing (their bytes are counted when taken)."""
-        return self.dram_used + self.dram_filling + self.stream_promised
+        return self.chunks.dram_used + self.dram_filling + self.stream_promised
 
     def promotion_room(self, nbytes: int, limit: float | None = None) -> bool:
         """May a promotion take *nbytes* of DRAM (below *limit* bytes, default 90%) without
@@ -904,7 +754,7 @@ class ChunkStore:
         if any(csum != loc.checksum for (_, loc), csum in zip(check, sums, strict=True)):
             return False
         for c, loc in check:
-            self._mark_checked(ino, c, loc)
+            self.mark_checked(ino, c, loc)
         return True
 
     async def stage_file(self, ino: int, size: int) -> int:
@@ -912,7 +762,7 @@ class ChunkStore:
         open that will then be served from DRAM by the kernel. Returns how many were read
         from NVMe, or -1 if the file is too long, DRAM has no room (nothing is evicted for
         this) or a chunk could not be staged: the open then goes the ordinary way."""
-        todo = [(c, loc) for c in self.index.chunks_of(ino, self._nchunks(size))
+        todo = [(c, loc) for c in self.index.chunks_of(ino, self.nchunks(size))
                 if (loc := self.get(ino, c)).dram_slot < 0]
         if not todo:
             return 0
@@ -964,7 +814,7 @@ class ChunkStore:
         """Every chunk of the file with its location, if all are raw DRAM copies that no
         fetch is filling; else None (a lost tail must read as EIO, which only we can say)."""
         locs = []
-        for c in self.index.chunks_of(ino, self._nchunks(size)):
+        for c in self.index.chunks_of(ino, self.nchunks(size)):
             loc = self.get(ino, c)
             if (loc.dram_slot < 0 or loc.flags & (PACKED | LOST | TAIL_LOST)
                     or self.fetches.busy((ino, c))):
@@ -979,7 +829,7 @@ class ChunkStore:
         file. With *reads* (the open passed `passthrough_ready`; the kernel will read it
         without us), its chunks count as read now: from DRAM, but for the *from_nvme* that
         `stage_file` just brought in."""
-        chunks = list(self.index.chunks_of(ino, self._nchunks(size)))
+        chunks = list(self.index.chunks_of(ino, self.nchunks(size)))
         if ino not in self.dram.pins:  # counted once per file
             held = self._pinned[ino] = sum(pages(self.get(ino, c).raw_len) for c in chunks)
             self.pinned_bytes += held
@@ -1083,7 +933,7 @@ class ChunkStore:
         with self.meta.write() as txn:
             for c in self._stream_chunks(ino, size):
                 if c not in present:  # (a set built per chunk made big files' takes O(n^2))
-                    self._replace(txn, ino, c, self.get(ino, c), None)
+                    self.chunks.replace(txn, ino, c, self.get(ino, c), None)
             for c, n, csum in zip(data, lens, sums, strict=True):
                 old = self.get(ino, c)
                 if (old is not None and old.dram_slot >= 0 and old.flags & SEALED
@@ -1092,15 +942,15 @@ class ChunkStore:
                 if old is None or old.dram_slot < 0:
                     self.dram.claim(ino, c)
                 new = Loc(IN_DRAM, 0, 0, 0, n, 0, CODEC_RAW, SEALED if done else 0,
-                          csum if done else 0, self._next_seq())
-                self._replace(txn, ino, c, old, new)
+                          csum if done else 0, self.chunks.next_seq())
+                self.chunks.replace(txn, ino, c, old, new)
                 if done:
-                    self._mark_checked(ino, c, new)  # hashed from the region itself
+                    self.mark_checked(ino, c, new)  # hashed from the region itself
                 self.counters.streamed_chunks += 1
             if done:
                 txn.delete(u64(ino), db=self.meta.db["writers"])
             if on_commit is not None:
-                on_commit(size, len(data) < self._nchunks(size))
+                on_commit(size, len(data) < self.nchunks(size))
         if done:
             self._stream_ended(ino)
         if self.dram_load > self.high_water:
@@ -1122,7 +972,7 @@ class ChunkStore:
         They all lie within it: the kernel only makes it longer, and a truncation cuts it
         and the chunks past its new end together (`truncate`). Asking the index for every
         chunk the inode might have scanned the whole index, at every create (issue 33)."""
-        return self.index.chunks_of(ino, self._nchunks(size))
+        return self.index.chunks_of(ino, self.nchunks(size))
 
     def end_stream(self, ino: int) -> None:
         """The file being written by the kernel is gone (unlinked, last close) or could not
@@ -1268,7 +1118,7 @@ class ChunkStore:
         if unseal:  # in lmdb before the bytes change (crash safety, see the module doc)
             with self.meta.write() as txn:
                 for c, loc in unseal:
-                    self._replace(txn, ino, c, loc, loc._replace(flags=loc.flags & ~SEALED))
+                    self.chunks.replace(txn, ino, c, loc, loc._replace(flags=loc.flags & ~SEALED))
         planned = []
         for c, start, stop, _ in pieces:
             loc = self.get(ino, c)
@@ -1293,7 +1143,8 @@ class ChunkStore:
             for c, start, stop, loc in plan.pieces:
                 in_place = loc is not None and loc.dram_slot >= 0
                 length = max(loc.raw_len, stop) if in_place else stop
-                self._replace(txn, plan.ino, c, loc, self._dram_loc(length), written_from=start)
+                self.chunks.replace(txn, plan.ino, c, loc, self._dram_loc(length),
+                                    written_from=start)
             if on_commit is not None:
                 c, _, stop, _ = plan.pieces[-1]
                 on_commit(c * self.cs + stop)
@@ -1309,8 +1160,8 @@ class ChunkStore:
         stream does not have to unseal them first."""
         if whole is not None:
             return Loc(IN_DRAM, 0, 0, 0, length, 0, CODEC_RAW, SEALED, hash_bytes(whole),
-                       self._next_seq())
-        return Loc(IN_DRAM, 0, 0, 0, length, 0, CODEC_RAW, 0, 0, self._next_seq())
+                       self.chunks.next_seq())
+        return Loc(IN_DRAM, 0, 0, 0, length, 0, CODEC_RAW, 0, 0, self.chunks.next_seq())
 
     def abort_write(self, plan: WritePlan) -> None:
         """The copy failed part way: regions new to DRAM go back (punched); chunks written
@@ -1330,8 +1181,8 @@ class ChunkStore:
         region holds nothing there)."""
         self.dram.punch(ino, c * self.cs + loc.raw_len, self.cs - loc.raw_len)
         with self.meta.write() as txn:
-            self._replace(txn, ino, c, loc,
-                          loc._replace(flags=loc.flags & ~SEALED, seq=self._next_seq()))
+            self.chunks.replace(txn, ino, c, loc,
+                          loc._replace(flags=loc.flags & ~SEALED, seq=self.chunks.next_seq()))
 
     async def _make_resident(self, ino: int, c: int, loc: Loc) -> None:
         """Bring an NVMe-only chunk into DRAM (for a partial write); the caller re-checks."""
@@ -1361,7 +1212,7 @@ class ChunkStore:
                 # Unseal in lmdb before the bytes change (crash safety, see module doc).
                 with self.meta.write() as txn:
                     unsealed = loc._replace(flags=loc.flags & ~SEALED)
-                    self._replace(txn, ino, c, loc, unsealed)
+                    self.chunks.replace(txn, ino, c, loc, unsealed)
                 loc = unsealed
             try:
                 self.dram.write(ino, c, start, piece)
@@ -1372,11 +1223,11 @@ class ChunkStore:
         if loc is not None and loc.flags & TAIL_LOST and whole is None:
             new = new._replace(flags=new.flags | TAIL_LOST)  # its end is still lost
         with self.meta.write() as txn:
-            self._replace(txn, ino, c, loc, new, written_from=start)
+            self.chunks.replace(txn, ino, c, loc, new, written_from=start)
             if on_commit is not None:
                 on_commit()
         if whole is not None:
-            self._mark_checked(ino, c, new)  # hashed from the bytes just written there
+            self.mark_checked(ino, c, new)  # hashed from the bytes just written there
         if self.dram_load > self.high_water:
             self.kick_demoter()
 
@@ -1385,7 +1236,7 @@ class ChunkStore:
         """Checksum every unsealed DRAM chunk of a file (on close), in a worker thread when
         there is much of it."""
         todo = []
-        for c in self.index.chunks_of(ino, self._nchunks(size)):
+        for c in self.index.chunks_of(ino, self.nchunks(size)):
             loc = self.get(ino, c)
             if loc is not None and loc.dram_slot >= 0 and not loc.flags & SEALED:
                 todo.append((c, loc))
@@ -1396,9 +1247,9 @@ class ChunkStore:
             for (c, loc), csum in zip(todo, sums, strict=True):
                 now = self.get(ino, c)
                 if now == loc:
-                    self._replace(txn, ino, c, loc, loc._replace(flags=loc.flags | SEALED,
+                    self.chunks.replace(txn, ino, c, loc, loc._replace(flags=loc.flags | SEALED,
                                                                  checksum=csum))
-                    self._mark_checked(ino, c, loc)  # hashed from the region itself
+                    self.mark_checked(ino, c, loc)  # hashed from the region itself
 
     async def _hash_chunks(self, ino: int, todo: list[tuple[int, Loc]]) -> list[int]:
         """xxh3 of each chunk's bytes in its region: inline when they are few, else in worker
@@ -1435,9 +1286,6 @@ class ChunkStore:
             sums.append(hash_bytes(view))
         return sums
 
-    def _nchunks(self, size: int) -> int:
-        return (size + self.cs - 1) // self.cs
-
     def drop_dram_copy(self, key: tuple[int, int]) -> None:
         """Free the DRAM copy of a chunk that is safely on NVMe (not of a file open in
         passthrough mode: the kernel reads its DRAM file)."""
@@ -1449,7 +1297,7 @@ class ChunkStore:
         if not loc.seg or (key[0] in self.dram.pins and not loc.flags & PACKED):
             return
         with self.meta.write() as txn:
-            self._replace(txn, key[0], key[1], loc, nvme_only(loc))
+            self.chunks.replace(txn, key[0], key[1], loc, nvme_only(loc))
 
     # -- truncate / delete -----------------------------------------------------------------
     async def truncate(self, ino: int, old_size: int, new_size: int,
@@ -1462,12 +1310,12 @@ class ChunkStore:
         that go must end (a passthrough open may read a staged region before its fetch
         ends, see kvfs.fs stage_watch), and the chunk that is cut must be in DRAM, raw."""
         cs = self.cs
-        keep = self._nchunks(new_size)
+        keep = self.nchunks(new_size)
         cut = new_size - (keep - 1) * cs if new_size else 0
         last = keep - 1 if 0 < cut < cs else None  # the chunk that is cut, if any
         while True:  # until nothing is left to wait for (each await lets others in)
             end = max(old_size, self.size_of(ino) or 0)  # a write may have grown it meanwhile
-            pending = self._fetch_of(ino, keep if last is None else last, self._nchunks(end))
+            pending = self._fetch_of(ino, keep if last is None else last, self.nchunks(end))
             if pending is not None:
                 await pending.wait()
                 continue
@@ -1481,18 +1329,19 @@ class ChunkStore:
                     continue
             break
         with self.meta.write() as txn:
-            if self.allocated.get(ino, 0) > pages(new_size):
-                self._set_allocated(ino, pages(new_size))  # space past the new end is released
-            for c in self.index.chunks_of(ino, self._nchunks(end)):
+            if self.chunks.allocated.get(ino, 0) > pages(new_size):
+                # space past the new end is released
+                self.chunks.set_allocated(ino, pages(new_size))
+            for c in self.index.chunks_of(ino, self.nchunks(end)):
                 if c >= keep:
-                    self._replace(txn, ino, c, self.get(ino, c), None)
+                    self.chunks.replace(txn, ino, c, self.get(ino, c), None)
             if loc is not None and loc.raw_len > cut:
                 # Its bytes up to *cut* stay; the DRAM file's cut below takes the rest (a
                 # crash before that leaves them outside the region, punched at mount). New
                 # seq, unsealed: sealed again at close, or at mount.
                 new = (loc._replace(raw_len=cut) if loc.flags & LOST else
-                       Loc(IN_DRAM, 0, 0, 0, cut, 0, CODEC_RAW, 0, 0, self._next_seq()))
-                self._replace(txn, ino, last, loc, new, written_from=cut)
+                       Loc(IN_DRAM, 0, 0, 0, cut, 0, CODEC_RAW, 0, 0, self.chunks.next_seq()))
+                self.chunks.replace(txn, ino, last, loc, new, written_from=cut)
             if on_commit is not None:
                 on_commit()
         self.dram.truncate(ino, new_size)
@@ -1543,22 +1392,22 @@ class ChunkStore:
                     continue
                 loc = self.get(ino, c)
                 if c not in edges:
-                    self._replace(txn, ino, c, loc, None)
+                    self.chunks.replace(txn, ino, c, loc, None)
                     continue
                 start, stop = max(off - c * cs, 0), min(end - c * cs, loc.raw_len)
                 if stop <= start or loc.flags & LOST:
                     continue
-                self._replace(txn, ino, c, loc, Loc(IN_DRAM, 0, 0, 0, loc.raw_len, 0,
+                self.chunks.replace(txn, ino, c, loc, Loc(IN_DRAM, 0, 0, 0, loc.raw_len, 0,
                                                     CODEC_RAW, loc.flags & TAIL_LOST, 0,
-                                                    self._next_seq()), written_from=start)
+                                                    self.chunks.next_seq()), written_from=start)
                 zero.append((c * cs + start, stop - start))
             if on_commit is not None:
                 on_commit()
         for start, n in zero:
             self.dram.punch(ino, start, n)
-        if ino in self.allocated:  # the room fallocate promised there is given back
-            self._set_allocated(ino, max(self.file_bytes.get(ino, 0),
-                                         self.allocated[ino] - (end - off)))
+        if ino in self.chunks.allocated:  # the room fallocate promised there is given back
+            self.chunks.set_allocated(ino, max(self.file_bytes.get(ino, 0),
+                                         self.chunks.allocated[ino] - (end - off)))
 
     def _fetch_of(self, ino: int, start: int, stop: int) -> trio.Event | None:
         """The end of a fetch of one of *ino*'s chunks *start*..*stop*-1, if one is on."""
@@ -1570,11 +1419,11 @@ class ChunkStore:
     def delete_file(self, ino: int, size: int) -> None:
         """Forget every chunk of a file (its inode is gone)."""
         with self.meta.write() as txn:
-            for c in self.index.chunks_of(ino, self._nchunks(size)):
-                self._replace(txn, ino, c, self.get(ino, c), None)
+            for c in self.index.chunks_of(ino, self.nchunks(size)):
+                self.chunks.replace(txn, ino, c, self.get(ino, c), None)
         self.wb.forget(ino)
-        if ino in self.allocated:
-            self._set_allocated(ino, 0)
+        if ino in self.chunks.allocated:
+            self.chunks.set_allocated(ino, 0)
         self.file_bytes.pop(ino, None)
         self.through.end(ino)
         self.file_deleted(ino)
@@ -1584,7 +1433,7 @@ class ChunkStore:
         if ino in self.streaming:
             return self._where_streaming(ino, size)
         out = []
-        for c in self.index.chunks_of(ino, self._nchunks(size)):
+        for c in self.index.chunks_of(ino, self.nchunks(size)):
             loc = self.get(ino, c)
             tiers = []
             if loc.dram_slot >= 0:
@@ -1614,19 +1463,19 @@ class ChunkStore:
         return out
 
     def stats(self) -> dict:
-        k = self.counters
+        k, m = self.counters, self.chunks
         unseen = self.unseen_bytes() if self.streaming else 0
         segs = self.nvme.segments.values()
         return {
             "tiers": {
                 "dram": {"capacity_bytes": self.dram.capacity,
-                         "used_bytes": self.dram_used + unseen,
-                         "logical_bytes": self.dram_logical, "chunks": self.dram_chunks,
-                         "dirty_bytes": self.unbacked, "packed_chunks": self.dram_packed,
+                         "used_bytes": m.dram_used + unseen,
+                         "logical_bytes": m.dram_logical, "chunks": m.dram_chunks,
+                         "dirty_bytes": m.unbacked, "packed_chunks": m.dram_packed,
                          "promised_bytes": self.stream_promised,
                          "files": len(self.dram.claims), "passthrough_files": len(self.dram.pins)},
-                "nvme": {"capacity_bytes": self.nvme.capacity, "used_bytes": self.nvme_live,
-                         "logical_bytes": self.nvme_logical, "chunks": self.nvme_chunks,
+                "nvme": {"capacity_bytes": self.nvme.capacity, "used_bytes": m.nvme_live,
+                         "logical_bytes": m.nvme_logical, "chunks": m.nvme_chunks,
                          "segments": len(self.nvme.segments),
                          "segment_bytes": sum(s.write_off for s in segs)},
             },

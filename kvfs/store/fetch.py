@@ -234,11 +234,11 @@ class Fetches:
                 new = now._replace(dram_slot=IN_DRAM,
                                    flags=(now.flags | PACKED) if pack else now.flags)
                 with self.store.meta.write() as txn:
-                    self.store._replace(txn, ino, c, now, new)
+                    self.store.chunks.replace(txn, ino, c, now, new)
                 installed = True
                 self.store.counters.promotions += 1
                 if not pack:
-                    self.store._mark_checked(ino, c, new)  # _read_record checked these bytes
+                    self.store.mark_checked(ino, c, new)  # _read_record checked these bytes
             return data if want else True
         finally:
             if watcher is not None:
