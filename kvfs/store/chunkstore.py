@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from kvfs.store.codec import CODEC_RAW, Codec
 from kvfs.store.dram import OPEN_FILES, DramFile, DramFiles, pages
 from kvfs.store.episode import Episode
 from kvfs.store.fetch import Fetches, StageWatch
+from kvfs.store.kernel_written import KernelWritten, PassthroughReads
 from kvfs.store.location import (
     HASH_RELEASES_GIL,
     IN_DRAM,
@@ -66,12 +66,10 @@ from kvfs.store.location import (
 )
 from kvfs.store.meta import (
     MetaStore,
-    u64,
 )
 from kvfs.store.nvme import (
     NvmeLog,
 )
-from kvfs.store.osutil import mapped_shared_writable
 from kvfs.store.readthrough import CHANGED, PROMOTE_SHARE, ReadThrough
 from kvfs.store.recovery import Recovery
 from kvfs.store.writeback import WriteBack
@@ -81,19 +79,6 @@ log = logging.getLogger(__name__)
 INLINE_HASH_BYTES = 512 << 10
 # ... and from this much on, two worker threads hash a file's halves at once.
 PARALLEL_HASH_BYTES = 2 << 20
-# A file opened for reading with chunks on NVMe only is staged whole in DRAM before the open
-# returns, so that the kernel reads it from there (passthrough), if it is at most this long:
-# the open then waits for all of it, which a reader of a KV block wants anyway.
-STAGE_FILE_MAX = 64 << 20
-# Files open in passthrough mode cannot lose their DRAM copies; they may hold at most this
-# share of the tier, so that writes always find room to demote into.
-PASSTHROUGH_SHARE = 0.5
-# Files the kernel writes straight into their DRAM file (passthrough writers, `start_stream`):
-# what they write is only counted when they are taken, so at most this many at once, each
-# expected to take at most this share of the DRAM tier's free room (and of the store's); the
-# room promised to them (their expected sizes) counts as used until then.
-STREAMS_MAX = 16
-STREAM_ROOM_SHARE = 0.25
 # A write waiting for room in DRAM (the demoter writing chunks back to make it) gives up
 # with ENOSPC after this long in all.
 DRAM_WAIT_S = 60.0
@@ -126,7 +111,7 @@ class ChunkStore:
         self.codec = codec
         # Clean DRAM copies are kept packed (compressed) when that saves pages.
         self.dram_compress = dram_compress
-        # When a read hashes a chunk's DRAM copy first (see `_check_needed`).
+        # When a read hashes a chunk's DRAM copy first (see `check_needed`).
         self.dram_verify = dram_verify
         self.policy = policy
         self.dram = DramFiles(dram_dir, fs_uuid, chunk_size, dram_size, dram_open_files)
@@ -163,9 +148,6 @@ class ChunkStore:
         # Reads of DRAM copies land here: a read's reply is sent before any other task runs
         # (see `read`), so one buffer serves them all.
         self._scratch = bytearray(chunk_size)
-        # Files open in passthrough mode -> DRAM bytes they held when first opened.
-        self._pinned: dict[int, int] = {}
-        self.pinned_bytes = 0
         # revoke(ino): called before a file's DRAM copies are dropped or repacked, so that
         # opens of it answered without the daemon (kvfs.fs, the front thread) are pins by
         # then. Set by the assembly.
@@ -178,13 +160,6 @@ class ChunkStore:
         # the file as soon as the worker has staged it. Set by the assembly.
         self.stage_watch: Callable[[int, int, int], StageWatch | None] = \
             lambda ino, c, fd: None
-        # Files the kernel is writing straight into their DRAM file (start_stream), and the
-        # ones whose bytes are being taken (take_stream) -> done; each -> the room promised
-        # to it (its expected size), part of `dram_load` until it is taken.
-        self.streaming: dict[int, int] = {}
-        self.adopted: set[int] = set()  # of those, files that had data before (adopt_stream)
-        self.stream_promised = 0
-        self._taking: dict[int, trio.Event] = {}
         self.size_of: Callable[[int], int | None] = lambda ino: None  # set by the assembly
         # NVMe reads: demand reads, stagings, prefetches.
         self.fetches = Fetches(self, chunk_size=chunk_size, io_threads=io_threads,
@@ -207,6 +182,19 @@ class ChunkStore:
         self.writeback_batches, self.batch_full, self.fsync, self.sync = (
             w.writeback_batches, w.batch_full, w.fsync, w.sync)
         self.nvme_full, self.nvme_failing, self.choices = w.nvme_full, w.nvme_failing, w.choices
+        # Files the kernel reads (passthrough opens) or writes itself (kernel-written files).
+        self.passthrough = PassthroughReads(self)
+        p = self.passthrough
+        self.passthrough_ready, self.stage_file, self.passthrough_fd = p.ready, p.stage, p.fd
+        self.pin_passthrough, self.unpin_passthrough = p.pin, p.unpin
+        self.kernel = KernelWritten(self)
+        k = self.kernel
+        self.streaming, self.adopted = k.files, k.adopted
+        self.can_stream, self.start_stream, self.adopt_stream, self.take_stream = (
+            k.may_start, k.start, k.adopt, k.take)
+        self.stream_size, self.stream_blocks, self.unseen_bytes, self.end_stream = (
+            k.size, k.blocks, k.unseen_bytes, k.end)
+        self.mapped_writable, self.resized = k.mapped_writable, k.resized
         # What a mount loads and repairs (kvfs/store/recovery.py). The sizes of files the
         # kernel was writing when the daemon stopped: the assembly gives them to the namespace.
         self.recovered_sizes = Recovery(meta, self.chunks, self.dram, self.nvme, policy, codec,
@@ -419,11 +407,11 @@ class ChunkStore:
                 self.policy.hit((ino, c))
                 self.fetches.used((ino, c))
                 self.counters.chunks_from_dram += 1
-                self._record_latency(t0, self.counters.read_latency_dram_us)
+                self.record_latency(t0, self.counters.read_latency_dram_us)
                 return _slice(memoryview(data), start, length)
             if loc.dram_slot >= 0:
                 check = ((verified is None or (c, loc.seq) not in verified)
-                         and self._check_needed(ino, c, loc))
+                         and self.check_needed(ino, c, loc))
                 if check:
                     self.counters.dram_checks += 1
                     view = self._dram_bytes(ino, c, loc.raw_len)
@@ -439,7 +427,7 @@ class ChunkStore:
                 self.policy.hit((ino, c))
                 self.fetches.used((ino, c))
                 self.counters.chunks_from_dram += 1
-                self._record_latency(t0, self.counters.read_latency_dram_us)
+                self.record_latency(t0, self.counters.read_latency_dram_us)
                 return _slice(view, 0, length)
             if self.fetches.late((ino, c)):
                 self.counters.prefetch_late += 1
@@ -454,12 +442,12 @@ class ChunkStore:
                 if verified is not None:
                     verified.add((c, loc.seq))  # fetch verified it
             self.counters.chunks_from_nvme += 1
-            self._record_latency(t0, self.counters.read_latency_nvme_us)
+            self.record_latency(t0, self.counters.read_latency_nvme_us)
             if through and start + length >= loc.raw_len:
                 self.through.done(ino, c, loc, data)
             return _slice(memoryview(data), start, length)
 
-    def _check_needed(self, ino: int, c: int, loc: Loc, consume: bool = True) -> bool:
+    def check_needed(self, ino: int, c: int, loc: Loc, consume: bool = True) -> bool:
         """Must a read hash this sealed DRAM copy before trusting it? `dram_verify=open`: yes,
         unless the fetch that staged it checked it (that counts for the next read only);
         `once`: only if this daemon has not checked it since its bytes last changed (after
@@ -474,7 +462,7 @@ class ChunkStore:
         if self.dram_verify == "once":
             self.dram.mark_checked(ino, c, loc.seq)
 
-    def _record_latency(self, t0: float, tier: list[int]) -> None:
+    def record_latency(self, t0: float, tier: list[int]) -> None:
         self.record_us(int((time.perf_counter() - t0) * 1e6), tier)
 
     def record_us(self, us: int, tier: list[int]) -> None:
@@ -487,285 +475,13 @@ class ChunkStore:
     def dram_load(self) -> int:
         """DRAM bytes in use: chunks' pages, regions that NVMe reads are filling and the room
         promised to files the kernel is writing (their bytes are counted when taken)."""
-        return self.chunks.dram_used + self.dram_filling + self.stream_promised
+        return self.chunks.dram_used + self.dram_filling + self.kernel.promised
 
     def promotion_room(self, nbytes: int, limit: float | None = None) -> bool:
         """May a promotion take *nbytes* of DRAM (below *limit* bytes, default 90%) without
         evicting anything?"""
         cap = self.dram.capacity * PROMOTE_SHARE if limit is None else limit
         return self.dram_load + nbytes <= cap
-
-    # -- passthrough: the kernel reads a file straight from its DRAM file -------------------
-    async def passthrough_ready(self, ino: int, size: int) -> bool:
-        """May the kernel serve reads of this file from its DRAM file? Only if every chunk
-        is in DRAM, raw, and checks out now (the reads will not come here to be checked: an
-        open verifies what a handle's reads would), and the pinned files stay within
-        PASSTHROUGH_SHARE of the tier. True means: pin it now (`pin_passthrough`), with no
-        await in between."""
-        locs = self._raw_in_dram(ino, size)
-        if locs is None:
-            return False
-        need = sum(pages(loc.raw_len) for _, loc in locs)
-        if (ino not in self.dram.pins
-                and self.pinned_bytes + need > PASSTHROUGH_SHARE * self.dram.capacity):
-            return False
-        check = [(c, loc) for c, loc in locs if self._check_needed(ino, c, loc, consume=False)]
-        self.counters.dram_checks += len(check)
-        sums = await self._hash_chunks(ino, check)
-        if any(self.get(ino, c) != loc for c, loc in locs):
-            return False  # changed meanwhile: the ordinary path decides
-        # A mismatch is left to the ordinary path, which reports it (EIO) chunk by chunk.
-        if any(csum != loc.checksum for (_, loc), csum in zip(check, sums, strict=True)):
-            return False
-        for c, loc in check:
-            self.mark_checked(ino, c, loc)
-        return True
-
-    async def stage_file(self, ino: int, size: int) -> int:
-        """Bring a file's NVMe-only chunks into DRAM (clean, raw copies), all at once, for an
-        open that will then be served from DRAM by the kernel. Returns how many were read
-        from NVMe, or -1 if the file is too long, DRAM has no room (nothing is evicted for
-        this) or a chunk could not be staged: the open then goes the ordinary way."""
-        todo = [(c, loc) for c in self.index.chunks_of(ino, self.nchunks(size))
-                if (loc := self.get(ino, c)).dram_slot < 0]
-        if not todo:
-            return 0
-        if self.through.reads(ino, size):
-            return -1
-        need = sum(pages(loc.raw_len) for _, loc in todo)
-        if (size > STAGE_FILE_MAX or any(loc.flags & LOST for _, loc in todo)
-                or not self.promotion_room(need)):
-            return -1
-        t0 = time.perf_counter()
-        # A chunk whose prefetch was already in flight is a (late) prefetch hit, as on the
-        # daemon's read path; every other one is this open's NVMe read, whoever fetches it.
-        late = {c for c, _ in todo if self.fetches.late((ino, c))}
-
-        async def stage(c: int, loc: Loc) -> None:
-            try:
-                await self.fetches.fetch(ino, c, loc, stage=self.dram.capacity * PROMOTE_SHARE,
-                                 raw=True, want=False)
-            except ChunkError as exc:
-                log.warning("staging for an open: %s", exc)  # its read will say EIO
-            now = self.get(ino, c)
-            if now is not None and now.dram_slot >= 0 and not now.flags & PACKED:
-                self.dram.mark_checked(ino, c, now.seq)  # fetch checked these bytes
-
-        async with open_nursery() as nursery:
-            for c, loc in todo:
-                nursery.start_soon(stage, c, loc)
-        if any((loc := self.get(ino, c)) is None or loc.dram_slot < 0 for c, _ in todo):
-            return -1
-        fetched = len(todo) - len(late)
-        self.counters.prefetch_late += len(late)
-        self.counters.chunks_from_nvme += fetched
-        self.counters.staged_chunks += fetched
-        for _ in range(fetched):
-            self._record_latency(t0, self.counters.read_latency_nvme_us)
-        return fetched
-
-    def passthrough_fd(self, ino: int, size: int) -> int | None:
-        """The DRAM file of *ino*, at the file's size, if a passthrough open would find it
-        ready now with nothing left to check (every chunk in DRAM, raw, checked since it
-        last changed); else None. Synchronous: `passthrough_ready` without the hashing."""
-        locs = self._raw_in_dram(ino, size) if size > 0 else None
-        if locs is None or any(self._check_needed(ino, c, loc, consume=False)
-                               for c, loc in locs):
-            return None
-        return self.dram.extend(ino, size)
-
-    def _raw_in_dram(self, ino: int, size: int) -> list[tuple[int, Loc]] | None:
-        """Every chunk of the file with its location, if all are raw DRAM copies that no
-        fetch is filling; else None (a lost tail must read as EIO, which only we can say)."""
-        locs = []
-        for c in self.index.chunks_of(ino, self.nchunks(size)):
-            loc = self.get(ino, c)
-            if (loc.dram_slot < 0 or loc.flags & (PACKED | LOST | TAIL_LOST)
-                    or self.fetches.busy((ino, c))):
-                return None
-            locs.append((c, loc))
-        return locs
-
-    def pin_passthrough(self, ino: int, size: int, reads: bool = True,
-                        from_nvme: int = 0) -> int:
-        """*ino* is opened in passthrough mode: its DRAM copies stay until
-        `unpin_passthrough`, and the returned descriptor is its DRAM file, as long as the
-        file. With *reads* (the open passed `passthrough_ready`; the kernel will read it
-        without us), its chunks count as read now: from DRAM, but for the *from_nvme* that
-        `stage_file` just brought in."""
-        chunks = list(self.index.chunks_of(ino, self.nchunks(size)))
-        if ino not in self.dram.pins:  # counted once per file
-            held = self._pinned[ino] = sum(pages(self.get(ino, c).raw_len) for c in chunks)
-            self.pinned_bytes += held
-        self.dram.pin(ino)
-        if not reads:
-            return self.dram.fd(ino)
-        self.counters.passthrough_opens += 1
-        for c in chunks:
-            key = (ino, c)
-            if self.dram_verify == "open":
-                self.dram.forget(ino, c)  # a check counts for one open only
-            self.policy.hit(key)
-            self.fetches.used(key)
-        self.counters.chunks_from_dram += len(chunks) - from_nvme
-        self.counters.passthrough_chunks += len(chunks)
-        return self.dram.extend(ino, size)
-
-    def unpin_passthrough(self, ino: int) -> None:
-        """A passthrough open of *ino* was released."""
-        self.dram.unpin(ino)
-        if ino not in self.dram.pins:
-            self.pinned_bytes -= self._pinned.pop(ino, 0)
-
-    # -- passthrough writers: the kernel writes a new file straight into its DRAM file --------
-    def can_stream(self, expected: int) -> bool:
-        """May one more new file, expected to reach *expected* bytes, be written by the
-        kernel without us (`start_stream`)? Not with dram_compress: the copies of such a
-        file stay raw until it is closed, and packing is what that option is for."""
-        room = min(self.dram.capacity - self.dram_load,
-                   self.capacity - self.used - self.stream_promised)
-        return (not self.dram_compress and len(self.streaming) < STREAMS_MAX
-                and pages(expected) <= STREAM_ROOM_SHARE * room)
-
-    def start_stream(self, ino: int, expected: int) -> int:
-        """The kernel will write the (empty) file *ino*, expected to reach *expected* bytes,
-        straight into its DRAM file (the returned descriptor) until `take_stream(ino,
-        done=True)`. Recorded in lmdb first, so that a mount after a crash takes what the
-        DRAM file holds (kvfs/store/recovery.py)."""
-        with self.meta.write() as txn:
-            txn.put(u64(ino), b"", db=self.meta.db["writers"])
-        self.streaming[ino] = pages(expected)
-        self.stream_promised += pages(expected)
-        if self.dram_load > self.high_water:
-            self.kick_demoter()
-        self.dram.pin(ino)
-        self.counters.stream_opens += 1
-        return self.dram.extend(ino, 0)
-
-    def adopt_stream(self, ino: int) -> bool:
-        """The kernel will write *ino*, a file wholly in its DRAM file (open in passthrough
-        mode), straight into it from now on, as it writes a new file (`start_stream`), until
-        `take_stream(ino, done=True)`: a writable open of a file the kernel reads without us
-        must carry its backing id, and a shared mapping of it writes the DRAM file. Recorded
-        in lmdb as `start_stream` does. False if it may not be (dram_compress, too many).
-        Its chunks stay as recorded until that take; a write-back meanwhile that finds one
-        changed leaves it to the take (an fsync takes first)."""
-        if self.dram_compress or len(self.streaming) >= STREAMS_MAX or ino in self.streaming:
-            return False
-        with self.meta.write() as txn:
-            txn.put(u64(ino), b"", db=self.meta.db["writers"])
-        self.streaming[ino] = 0  # nothing promised: its bytes are in DRAM already
-        self.adopted.add(ino)
-        self.dram.pin(ino)
-        self.counters.stream_adoptions += 1
-        return True
-
-    def stream_size(self, ino: int) -> int:
-        """The length of a file being written by the kernel: its DRAM file's."""
-        return self.dram.size(ino)
-
-    def stream_blocks(self, ino: int) -> int:
-        """Bytes of RAM a file being written by the kernel holds so far."""
-        return self.dram.ram(ino)
-
-    async def take_stream(self, ino: int, *, done: bool,
-                          on_commit: Callable[[int, bool], None] | None = None) -> int:
-        """Take what the kernel wrote into *ino*'s DRAM file as the file's chunks (at an
-        fsync, or *done*: its last writer closed, and it is an ordinary file again). A chunk
-        whose bytes are still those of its sealed location (taken and written back by an
-        earlier fsync) keeps it: nothing is written twice, and what an fsync made durable
-        stays so. Any other chunk holding data becomes a dirty DRAM copy (new seq), sealed
-        if *done*; at an fsync the writers may still be changing it, so it is left for the
-        writeback to checksum what it reads. Chunks that are holes go. Returns the size;
-        *on_commit(size, holes)* runs inside the commit (the caller's inode update rides
-        along; *holes*: some chunk below the size holds no data)."""
-        while (busy := self._taking.get(ino)) is not None:  # one take at a time per file
-            await busy.wait()
-        self._taking[ino] = trio.Event()
-        try:
-            return await self._take_stream(ino, done, on_commit)
-        finally:
-            self._taking.pop(ino).set()
-
-    async def _take_stream(self, ino: int, done: bool, on_commit) -> int:
-        size = self.stream_size(ino)
-        data = self.dram.data_chunks(ino)
-        lens = [min(self.cs, size - c * self.cs) for c in data]
-        sums = await self._hash_chunks(ino, [(c, Loc(IN_DRAM, 0, 0, 0, n, 0, CODEC_RAW, 0, 0, 0))
-                                             for c, n in zip(data, lens, strict=True)])
-        present = set(data)
-        with self.meta.write() as txn:
-            for c in self._stream_chunks(ino, size):
-                if c not in present:  # (a set built per chunk made big files' takes O(n^2))
-                    self.chunks.replace(txn, ino, c, self.get(ino, c), None)
-            for c, n, csum in zip(data, lens, sums, strict=True):
-                old = self.get(ino, c)
-                if (old is not None and old.dram_slot >= 0 and old.flags & SEALED
-                        and (old.raw_len, old.checksum) == (n, csum)):
-                    continue
-                if old is None or old.dram_slot < 0:
-                    self.dram.claim(ino, c)
-                new = Loc(IN_DRAM, 0, 0, 0, n, 0, CODEC_RAW, SEALED if done else 0,
-                          csum if done else 0, self.chunks.next_seq())
-                self.chunks.replace(txn, ino, c, old, new)
-                if done:
-                    self.mark_checked(ino, c, new)  # hashed from the region itself
-                self.counters.streamed_chunks += 1
-            if done:
-                txn.delete(u64(ino), db=self.meta.db["writers"])
-            if on_commit is not None:
-                on_commit(size, len(data) < self.nchunks(size))
-        if done:
-            self._stream_ended(ino)
-        if self.dram_load > self.high_water:
-            self.kick_demoter()
-        return size
-
-    def unseen_bytes(self) -> int:
-        """RAM that files the kernel is writing hold beyond what their chunks account for
-        (what was written since they were opened or last taken)."""
-        out = 0
-        for ino in self.streaming:
-            counted = sum(self.dram_pages((ino, c))
-                          for c in self._stream_chunks(ino, self.stream_size(ino)))
-            out += max(0, self.stream_blocks(ino) - counted)
-        return out
-
-    def _stream_chunks(self, ino: int, size: int) -> list[int]:
-        """The chunks recorded for a file the kernel writes, whose DRAM file is *size* long.
-        They all lie within it: the kernel only makes it longer, and a truncation cuts it
-        and the chunks past its new end together (`truncate`). Asking the index for every
-        chunk the inode might have scanned the whole index, at every create (issue 33)."""
-        return self.index.chunks_of(ino, self.nchunks(size))
-
-    def end_stream(self, ino: int) -> None:
-        """The file being written by the kernel is gone (unlinked, last close) or could not
-        be opened so: nothing to take; `delete_file` frees what an fsync recorded."""
-        with self.meta.write() as txn:
-            txn.delete(u64(ino), db=self.meta.db["writers"])
-        self._stream_ended(ino)
-
-    def _stream_ended(self, ino: int) -> None:
-        self.stream_promised -= self.streaming.pop(ino, 0)
-        self.adopted.discard(ino)
-        self.dram.unpin(ino)
-
-    async def mapped_writable(self, ino: int, as_seen: tuple[int, int] | None) -> bool:
-        """Is *ino*'s DRAM file mapped shared and writable by some process (an adopted
-        file's writer may have mapped it, and the mapping outlives the close)? *as_seen*:
-        the (device, inode) such a mapping shows (the FUSE file's)."""
-        files = {as_seen} if as_seen is not None else set()
-        if not self.dram.missing_open(ino):
-            st = os.fstat(self.dram.fd(ino))
-            files.add((st.st_dev, st.st_ino))
-        return bool(files) and await trio.to_thread.run_sync(
-            mapped_shared_writable, files, limiter=self.limiter)
-
-    def resized(self, ino: int, size: int) -> None:
-        """A file open in passthrough mode grew to *size* without a write (truncate up,
-        fallocate): its DRAM file must say so, or the kernel's reads stop at its old end."""
-        if ino in self.dram.pins:
-            self.dram.extend(ino, size)
 
     # -- write -----------------------------------------------------------------------------
     async def write(self, ino: int, off: int, data: bytes,
@@ -1006,7 +722,7 @@ class ChunkStore:
                 todo.append((c, loc))
         if not todo:
             return
-        sums = await self._hash_chunks(ino, todo)
+        sums = await self.hash_chunks(ino, todo)
         with self.meta.write() as txn:
             for (c, loc), csum in zip(todo, sums, strict=True):
                 now = self.get(ino, c)
@@ -1015,7 +731,7 @@ class ChunkStore:
                                                                  checksum=csum))
                     self.mark_checked(ino, c, loc)  # hashed from the region itself
 
-    async def _hash_chunks(self, ino: int, todo: list[tuple[int, Loc]]) -> list[int]:
+    async def hash_chunks(self, ino: int, todo: list[tuple[int, Loc]]) -> list[int]:
         """xxh3 of each chunk's bytes in its region: inline when they are few, else in worker
         threads, two at once when there is much (an open may be waiting for this; the hash
         runs without the GIL)."""
@@ -1195,7 +911,7 @@ class ChunkStore:
     # -- introspection -----------------------------------------------------------------------
     def where(self, ino: int, size: int) -> list[dict]:
         if ino in self.streaming:
-            return self._where_streaming(ino, size)
+            return self.kernel.where(ino, size)
         out = []
         for c in self.index.chunks_of(ino, self.nchunks(size)):
             loc = self.get(ino, c)
@@ -1212,20 +928,6 @@ class ChunkStore:
                         "lost": bool(loc.flags & LOST)})
         return out
 
-    def _where_streaming(self, ino: int, size: int) -> list[dict]:
-        """`where` of a file the kernel is writing: its DRAM file's chunks, all in DRAM,
-        dirty unless an fsync wrote them back."""
-        out = []
-        for c in self.dram.data_chunks(ino):
-            loc = self.get(ino, c)
-            clean = loc is not None and loc.seg > 0
-            out.append({"chunk": c, "tiers": ["dram", "nvme"] if clean else ["dram"],
-                        "packed": False, "raw_len": min(self.cs, size - c * self.cs),
-                        "stored_len": loc.stored_len if clean else 0, "codec": CODEC_RAW,
-                        "segment": loc.seg if clean else None, "dirty": not clean,
-                        "lost": False})
-        return out
-
     def stats(self) -> dict:
         k, m = self.counters, self.chunks
         unseen = self.unseen_bytes() if self.streaming else 0
@@ -1236,7 +938,7 @@ class ChunkStore:
                          "used_bytes": m.dram_used + unseen,
                          "logical_bytes": m.dram_logical, "chunks": m.dram_chunks,
                          "dirty_bytes": m.unbacked, "packed_chunks": m.dram_packed,
-                         "promised_bytes": self.stream_promised,
+                         "promised_bytes": self.kernel.promised,
                          "files": len(self.dram.claims), "passthrough_files": len(self.dram.pins)},
                 "nvme": {"capacity_bytes": self.nvme.capacity, "used_bytes": m.nvme_live,
                          "logical_bytes": m.nvme_logical, "chunks": m.nvme_chunks,
