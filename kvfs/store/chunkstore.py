@@ -43,8 +43,7 @@ from kvfs.faults import Faults
 from kvfs.nursery import open_nursery
 from kvfs.store.chunkmap import ChunkMap
 from kvfs.store.codec import Codec
-from kvfs.store.dram import OPEN_FILES, DramFile, DramFiles, pages
-from kvfs.store.episode import Episode
+from kvfs.store.dram import OPEN_FILES, DramFile, DramFiles
 from kvfs.store.fetch import Fetches, StageWatch
 from kvfs.store.kernel_written import KernelWritten, PassthroughReads
 from kvfs.store.location import (
@@ -56,7 +55,6 @@ from kvfs.store.location import (
     ChunkError,
     Counters,
     Loc,
-    NoSpace,
     hash_bytes,
     nvme_only,
 )
@@ -68,6 +66,7 @@ from kvfs.store.nvme import (
 )
 from kvfs.store.readthrough import CHANGED, PROMOTE_SHARE, ReadThrough
 from kvfs.store.recovery import Recovery
+from kvfs.store.room import Room
 from kvfs.store.writeback import WriteBack
 from kvfs.store.writes import Writes
 
@@ -76,13 +75,6 @@ log = logging.getLogger(__name__)
 INLINE_HASH_BYTES = 512 << 10
 # ... and from this much on, two worker threads hash a file's halves at once.
 PARALLEL_HASH_BYTES = 2 << 20
-# A write waiting for room in DRAM (the demoter writing chunks back to make it) gives up
-# with ENOSPC after this long in all.
-DRAM_WAIT_S = 60.0
-# While writing back fails for want of room, the demoter tries again this often (not at
-# every kick: each try costs a compression and a failed write), and a write needing DRAM
-# room meanwhile gets ENOSPC at once; after that long it waits for the next try.
-FULL_RETRY_S = 1.0
 
 
 class ChunkStore:
@@ -120,10 +112,6 @@ class ChunkStore:
             m.get, m.dram_pages, m.is_clean, m.nchunks)
         self.relocated, self.live_record, self.reservation, self.blocks_bytes = (
             m.relocated, m.live_record, m.reservation, m.blocks_bytes)
-        self.dram_filling = 0  # pages of regions NVMe reads are filling, not committed yet
-        self.space_waiters = 0
-        self._space = trio.Event()
-        self.dram_pinned_full = Episode("DRAM tier full of files open in passthrough mode")
         # A file's dtype hint and its directory (the namespace's; set by the assembly).
         self.codec_context: Callable[[int], tuple[str | None, int | None]] = (
             lambda ino: (None, None))
@@ -183,6 +171,13 @@ class ChunkStore:
         self.stream_size, self.stream_blocks, self.unseen_bytes, self.end_stream = (
             k.size, k.blocks, k.unseen_bytes, k.end)
         self.mapped_writable, self.resized = k.mapped_writable, k.resized
+        # The store's room and the DRAM tier's.
+        self.room = Room(self)
+        r = self.room
+        self.check_capacity, self.check_room, self.allocate = (
+            r.check_capacity, r.check_room, r.allocate)
+        self.notify_space, self.wait_dram, self.nothing_leaves, self.promotion_room = (
+            r.notify_space, r.wait_dram, r.nothing_leaves, r.promotion_room)
         # Writes, truncations, holes punched.
         self.writes = Writes(self, self.kernel.files)
         w = self.writes
@@ -216,7 +211,7 @@ class ChunkStore:
         self.dram.read_into(ino, c, view)
         return view
 
-    # -- the chunk map's counts, as other layers read them ----------------------------------
+    # -- counts other layers read ----------------------------------------------------------
     @property
     def seq(self) -> int:
         return self.chunks.seq
@@ -232,97 +227,6 @@ class ChunkStore:
     @property
     def nvme_live(self) -> int:
         return self.chunks.nvme_live
-
-    # -- capacity --------------------------------------------------------------------------
-    @property
-    def capacity(self) -> int:
-        """Record bytes the files may hold: what the NVMe tier's segments hold (as many as
-        nvme_size allows, or fewer while the filesystem below has no room for them: it may
-        be shared, or smaller), less the room kept free so that cleaning always has
-        somewhere to copy to (its reserved segments and 5%)."""
-        nvme = self.nvme
-        per_segment = nvme.usable(self.cs)
-        tier = nvme.max_segments * per_segment
-        return tier - nvme.gc_reserved * per_segment - tier // 20
-
-    @property
-    def used(self) -> int:
-        return self.chunks.nvme_live + self.chunks.unbacked + self.chunks.reserved + (
-            self.unseen_bytes() if self.streaming else 0)
-
-    def check_capacity(self, growth: int, ino: int) -> None:
-        if growth > 0 and ino in self.chunks.allocated:
-            growth -= min(growth, self.reservation(ino))  # fallocate()d room is already counted
-        if growth > 0 and (self.meta.room_low or self.used + growth > self.capacity):
-            raise NoSpace()
-
-    def check_room(self) -> None:
-        """NoSpace if the metadata has no room to grow (a create, a link, an xattr would
-        need some): see kvfs.store.meta, META_STEP."""
-        if self.meta.room_low:
-            raise NoSpace()
-
-    def allocate(self, ino: int, offset: int, length: int) -> None:
-        """fallocate(mode 0): reserve room for the holes in [offset, offset+length) so that
-        writes there cannot fail with ENOSPC. Raises NoSpace if it does not fit."""
-        cs = self.cs
-        missing = 0
-        for c in range(offset // cs, (offset + length + cs - 1) // cs):
-            if self.index.get(ino, c) is None:
-                missing += min(offset + length, (c + 1) * cs) - max(offset, c * cs)
-        if not missing:
-            return
-        missing = pages(missing)
-        if self.used + missing > self.capacity:
-            raise NoSpace()
-        self.chunks.set_allocated(ino, max(self.chunks.allocated.get(ino, 0),
-                                     self.file_bytes.get(ino, 0)) + missing)
-
-    def notify_space(self) -> None:
-        self._space.set()
-        self._space = trio.Event()
-
-    async def wait_dram(self, growth: int) -> bool:
-        """Wait until the DRAM tier has room for *growth* more bytes. True: there is none,
-        but the bytes may go over the tier's size (nothing could ever make room for them);
-        NoSpace at once while nothing can leave it (the NVMe tier is full), or after
-        DRAM_WAIT_S in all."""
-        deadline = trio.current_time() + DRAM_WAIT_S
-        while self.dram_load + growth > self.dram.capacity:
-            if not self._drop_one_clean():
-                if self.chunks.dram_chunks == 0:
-                    return True  # a single write bigger than DRAM: let it through
-                if self.nvme_full.met_within(FULL_RETRY_S):
-                    raise NoSpace()  # nothing leaves DRAM: at once, not after a wait
-                if self.dram_pinned_full.met_within(FULL_RETRY_S):
-                    return True  # nothing can leave it (see `nothing_leaves`)
-                self.space_waiters += 1
-                try:
-                    self.kick_demoter()
-                    with trio.move_on_at(deadline) as waited:
-                        await self._space.wait()
-                finally:
-                    self.space_waiters -= 1
-                if waited.cancelled_caught:
-                    raise NoSpace()
-        return False
-
-    def nothing_leaves(self) -> None:
-        """The demoter found nothing it may take out of a full DRAM tier: every chunk left
-        belongs to a file the kernel reads or writes straight from its DRAM file
-        (passthrough; adopted writers may grow such a file past PASSTHROUGH_SHARE). Writes
-        waiting for room go over the tier's size for a while instead of waiting for good."""
-        self.dram_pinned_full.failed(
-            f"{self.chunks.dram_used >> 20} MiB in DRAM, all of it held by files open in "
-            f"passthrough mode: writes go over the tier's {self.dram.capacity >> 20} MiB")
-        self.notify_space()
-
-    def _drop_one_clean(self) -> bool:
-        key = self.policy.coldest()
-        if key is not None and self.is_clean(key) and not self.policy.keep(key):
-            self.drop_dram_copy(key)
-            return True
-        return False  # dirty, wanted by readahead or far: the demoter keeps eviction order
 
     async def run_disposals(self) -> None:
         """Remove DRAM files nobody needs any more in a worker thread, not on the trio thread
@@ -344,6 +248,26 @@ class ChunkStore:
                         raise
         finally:
             self.dram.on_disposal_queued = lambda: None
+
+    @property
+    def capacity(self) -> int:
+        return self.room.capacity
+
+    @property
+    def used(self) -> int:
+        return self.room.used
+
+    @property
+    def dram_load(self) -> int:
+        return self.room.dram_load
+
+    @property
+    def space_waiters(self) -> int:
+        return self.room.space_waiters
+
+    @property
+    def dram_filling(self) -> int:
+        return self.fetches.filling
 
     # -- read ------------------------------------------------------------------------------
     async def read(self, ino: int, off: int, size: int, file_size: int,
@@ -464,18 +388,6 @@ class ChunkStore:
         bucket = min(23, us.bit_length())
         self.counters.read_latency_us[bucket] += 1
         tier[bucket] += 1
-
-    @property
-    def dram_load(self) -> int:
-        """DRAM bytes in use: chunks' pages, regions that NVMe reads are filling and the room
-        promised to files the kernel is writing (their bytes are counted when taken)."""
-        return self.chunks.dram_used + self.dram_filling + self.kernel.promised
-
-    def promotion_room(self, nbytes: int, limit: float | None = None) -> bool:
-        """May a promotion take *nbytes* of DRAM (below *limit* bytes, default 90%) without
-        evicting anything?"""
-        cap = self.dram.capacity * PROMOTE_SHARE if limit is None else limit
-        return self.dram_load + nbytes <= cap
 
     # -- sealing, writeback, fsync -----------------------------------------------------------
     async def seal(self, ino: int, size: int) -> None:
