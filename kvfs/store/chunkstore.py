@@ -34,7 +34,6 @@ Concurrency protocol (all of this runs on the trio thread; see docs/DESIGN.md):
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import trio
@@ -51,8 +50,6 @@ from kvfs.store.location import (
     LOST,
     PACKED,
     SEALED,
-    TAIL_LOST,
-    ChunkError,
     Counters,
     Loc,
     hash_bytes,
@@ -64,7 +61,8 @@ from kvfs.store.meta import (
 from kvfs.store.nvme import (
     NvmeLog,
 )
-from kvfs.store.readthrough import CHANGED, PROMOTE_SHARE, ReadThrough
+from kvfs.store.reads import Reads
+from kvfs.store.readthrough import ReadThrough
 from kvfs.store.recovery import Recovery
 from kvfs.store.room import Room
 from kvfs.store.writeback import WriteBack
@@ -121,9 +119,6 @@ class ChunkStore:
         self.stream_of: Callable[[int], int] = lambda ino: 0
         self.file_deleted: Callable[[int], None] = lambda ino: None  # lifetime learning
         self.high_water = int(0.9 * dram_size)  # set by tiering; start demoting above it
-        # Reads of DRAM copies land here: a read's reply is sent before any other task runs
-        # (see `read`), so one buffer serves them all.
-        self._scratch = bytearray(chunk_size)
         # revoke(ino): called before a file's DRAM copies are dropped or repacked, so that
         # opens of it answered without the daemon (kvfs.fs, the front thread) are pins by
         # then. Set by the assembly.
@@ -178,6 +173,11 @@ class ChunkStore:
             r.check_capacity, r.check_room, r.allocate)
         self.notify_space, self.wait_dram, self.nothing_leaves, self.promotion_room = (
             r.notify_space, r.wait_dram, r.nothing_leaves, r.promotion_room)
+        # Reads, and the checks of DRAM copies they make.
+        self.reads = Reads(self)
+        r = self.reads
+        self.read, self.check_needed, self.mark_checked = r.read, r.check_needed, r.mark_checked
+        self.record_latency, self.record_us = r.record_latency, r.record_us
         # Writes, truncations, holes punched.
         self.writes = Writes(self, self.kernel.files)
         w = self.writes
@@ -196,20 +196,6 @@ class ChunkStore:
             self.meta.set_counter(txn, b"next_seq", self.chunks.seq)
         self.dram.close()
         self.nvme.close()
-
-    def _dram_bytes_at(self, ino: int, c: int, start: int, length: int) -> memoryview:
-        """`_dram_bytes` of [start, start+length) of the region (empty if length <= 0)."""
-        view = memoryview(self._scratch)[:max(0, length)]
-        if length > 0:
-            self.dram.read_region(self.dram.fd(ino), c * self.cs + start, view)
-        return view
-
-    def _dram_bytes(self, ino: int, c: int, length: int) -> memoryview:
-        """The first *length* bytes of region (ino, c), read into the scratch buffer: valid
-        until the next read of a region on this thread (no await may come in between)."""
-        view = memoryview(self._scratch)[:length]
-        self.dram.read_into(ino, c, view)
-        return view
 
     # -- counts other layers read ----------------------------------------------------------
     @property
@@ -269,126 +255,6 @@ class ChunkStore:
     def dram_filling(self) -> int:
         return self.fetches.filling
 
-    # -- read ------------------------------------------------------------------------------
-    async def read(self, ino: int, off: int, size: int, file_size: int,
-                   verified: set | None = None) -> bytes | memoryview:
-        """The bytes of [off, off+size) (short at the end of the file). A memoryview returned
-        may be of the store's scratch buffer: valid until the caller's next await (pyfuse3
-        sends it to the kernel before any other task runs)."""
-        end = min(off + size, file_size)
-        if off >= end:
-            return b""
-        cs = self.cs
-        first, last = off // cs, (end - 1) // cs
-        through = self.through.reads(ino, file_size)
-        if through:
-            self.through.sequential(ino, first, last, self.nchunks(file_size), end // cs)
-        if first == last:
-            return await self._read_piece(ino, first, off - first * cs, end - off, verified,
-                                          through)
-        parts = []
-        for c in range(first, last + 1):
-            start = max(off, c * cs) - c * cs
-            stop = min(end, (c + 1) * cs) - c * cs
-            try:
-                part = await self._read_piece(ino, c, start, stop - start, verified, through)
-            except ChunkError:
-                if not parts:
-                    raise
-                break  # a short read of what checked out, as ext4 gives; EIO at the next
-            # A view of the scratch buffer is only valid until the next await: copy it.
-            parts.append(bytes(part) if isinstance(part, memoryview) else part)
-        return b"".join(parts)
-
-    async def _read_piece(self, ino: int, c: int, start: int, length: int,
-                          verified: set | None, through: bool = False) -> bytes | memoryview:
-        t0 = time.perf_counter()
-        while True:
-            loc = self.get(ino, c)
-            if loc is None:
-                # A hole, or a chunk that a truncation removed while this read waited (for a
-                # fetch): zeros, but only up to the file's end as it is now.
-                self.counters.chunks_from_holes += 1
-                size = self.size_of(ino)
-                if size is not None:
-                    length = max(0, min(length, size - c * self.cs - start))
-                return bytes(length)
-            if loc.flags & LOST:
-                raise ChunkError(f"inode {ino} chunk {c}: its only copy was lost with DRAM")
-            if loc.flags & TAIL_LOST and start + length > loc.raw_len:
-                raise ChunkError(f"inode {ino} chunk {c}: its bytes past {loc.raw_len} were "
-                                 f"lost with DRAM")
-            if loc.flags & PACKED:
-                data = await self.fetches.unpack(ino, c, loc)
-                if data is None:
-                    continue  # the chunk changed while we decoded it: start over
-                self.policy.hit((ino, c))
-                self.fetches.used((ino, c))
-                self.counters.chunks_from_dram += 1
-                self.record_latency(t0, self.counters.read_latency_dram_us)
-                return _slice(memoryview(data), start, length)
-            if loc.dram_slot >= 0:
-                check = ((verified is None or (c, loc.seq) not in verified)
-                         and self.check_needed(ino, c, loc))
-                if check:
-                    self.counters.dram_checks += 1
-                    view = self._dram_bytes(ino, c, loc.raw_len)
-                    if hash_bytes(view) != loc.checksum:
-                        self.counters.checksum_errors += 1
-                        raise ChunkError(f"inode {ino} chunk {c}: checksum mismatch in DRAM")
-                    self.mark_checked(ino, c, loc)
-                    view = view[start:]
-                else:  # only the bytes asked for
-                    view = self._dram_bytes_at(ino, c, start, min(length, loc.raw_len - start))
-                if check and verified is not None:
-                    verified.add((c, loc.seq))
-                self.policy.hit((ino, c))
-                self.fetches.used((ino, c))
-                self.counters.chunks_from_dram += 1
-                self.record_latency(t0, self.counters.read_latency_dram_us)
-                return _slice(view, 0, length)
-            if self.fetches.late((ino, c)):
-                self.counters.prefetch_late += 1
-            data = await self.through.use((ino, c), loc, start, length) if through else None
-            if data is CHANGED:
-                continue  # the chunk changed meanwhile: start over
-            if data is None:  # (nothing read ahead, or it failed: this fetch says why, EIO)
-                data = await self.fetches.fetch(
-                    ino, c, loc, stage=None if through else self.dram.capacity * PROMOTE_SHARE)
-                if data is None:
-                    continue  # the chunk changed while we read it: start over
-                if verified is not None:
-                    verified.add((c, loc.seq))  # fetch verified it
-            self.counters.chunks_from_nvme += 1
-            self.record_latency(t0, self.counters.read_latency_nvme_us)
-            if through and start + length >= loc.raw_len:
-                self.through.done(ino, c, loc, data)
-            return _slice(memoryview(data), start, length)
-
-    def check_needed(self, ino: int, c: int, loc: Loc, consume: bool = True) -> bool:
-        """Must a read hash this sealed DRAM copy before trusting it? `dram_verify=open`: yes,
-        unless the fetch that staged it checked it (that counts for the next read only);
-        `once`: only if this daemon has not checked it since its bytes last changed (after
-        a restart, every copy is checked once); `ingest`: never (checked on the way in)."""
-        if self.dram_verify == "ingest" or not loc.flags & SEALED:
-            return False
-        return not self.dram.checked(ino, c, loc.seq,
-                                     consume=consume and self.dram_verify == "open")
-
-    def mark_checked(self, ino: int, c: int, loc: Loc) -> None:
-        """The region holds exactly the bytes of *loc*'s checksum (dram_verify=once)."""
-        if self.dram_verify == "once":
-            self.dram.mark_checked(ino, c, loc.seq)
-
-    def record_latency(self, t0: float, tier: list[int]) -> None:
-        self.record_us(int((time.perf_counter() - t0) * 1e6), tier)
-
-    def record_us(self, us: int, tier: list[int]) -> None:
-        """A read of *us* microseconds in the histograms (log2 buckets): all, and *tier*'s."""
-        bucket = min(23, us.bit_length())
-        self.counters.read_latency_us[bucket] += 1
-        tier[bucket] += 1
-
     # -- sealing, writeback, fsync -----------------------------------------------------------
     async def seal(self, ino: int, size: int) -> None:
         """Checksum every unsealed DRAM chunk of a file (on close), in a worker thread when
@@ -415,7 +281,7 @@ class ChunkStore:
         runs without the GIL)."""
         total = sum(loc.raw_len for _, loc in todo)
         if total <= INLINE_HASH_BYTES:
-            return [hash_bytes(self._dram_bytes(ino, c, loc.raw_len)) for c, loc in todo]
+            return [hash_bytes(self.reads.region(ino, c, loc.raw_len)) for c, loc in todo]
         half = len(todo) // 2 if total >= PARALLEL_HASH_BYTES and HASH_RELEASES_GIL else 0
         parts = [todo[:half], todo[half:]] if half else [todo]
         sums: list[list[int]] = [[] for _ in parts]
@@ -544,13 +410,3 @@ class ChunkStore:
                        (k.user_bytes_written + k.gc_bytes_written) / k.user_bytes_written, 4)
                    if k.user_bytes_written else 1.0},
         }
-
-
-def _slice(view: memoryview, start: int, length: int) -> bytes | memoryview:
-    """Bytes [start, start+length) of a chunk whose stored part is *view* (the rest is zeros)."""
-    have = len(view)
-    if start + length <= have:
-        return view[start:start + length]
-    if start >= have:
-        return bytes(length)
-    return bytes(view[start:]) + bytes(start + length - have)
