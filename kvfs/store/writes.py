@@ -50,6 +50,20 @@ class WritePlan:
 
 
 
+def _growth(loc: Loc | None, stop: int) -> tuple[int, int, int]:
+    """What a write up to byte *stop* of a chunk at *loc* (into its DRAM copy if it has one,
+    else into a new one) makes of it: its new length, the store's growth and the DRAM tier's
+    (both paths check the same room). After the write the chunk is DRAM-only: its pages
+    count until written back, and an NVMe copy it had is dead."""
+    in_dram = loc is not None and loc.dram_slot >= 0
+    old_len = loc.raw_len if in_dram else 0
+    new_len = max(old_len, stop)
+    before = 0 if loc is None else (
+        (pages(loc.raw_len) if in_dram and not loc.seg else 0)
+        + (loc.rec_len if loc.seg else 0))
+    return new_len, pages(new_len) - before, pages(new_len) - pages(old_len)
+
+
 class Writes:
     """Writes, truncations and holes punched (`write`, `plan_write`, `truncate`, `punch`)."""
 
@@ -117,18 +131,10 @@ class Writes:
                     raise ChunkError(f"inode {ino} chunk {c}: its only copy was lost with DRAM")
                 await self._make_resident(ino, c, loc)  # read-modify-write of an NVMe chunk
                 continue
-            in_dram = loc is not None and loc.dram_slot >= 0
-            old_len = loc.raw_len if in_dram else 0
-            new_len = max(old_len, stop)
-            # After the write the chunk is DRAM-only: its pages count until written back, and
-            # an NVMe copy it had is dead.
-            before = 0 if loc is None else (
-                (pages(loc.raw_len) if in_dram and not loc.seg else 0)
-                + (loc.rec_len if loc.seg else 0))
-            self.store.check_capacity(pages(new_len) - before, ino)
-            growth = pages(new_len) - pages(old_len)
-            if not over and self.store.dram_load + growth > self.dram.capacity:
-                over = await self.store.wait_dram(growth)
+            new_len, growth, dram_growth = _growth(loc, stop)
+            self.store.check_capacity(growth, ino)
+            if not over and self.store.dram_load + dram_growth > self.dram.capacity:
+                over = await self.store.wait_dram(dram_growth)
                 continue  # the world may have changed while we waited
             self._apply_write(ino, c, loc, start, piece, new_len, on_commit)
             return
@@ -156,15 +162,11 @@ class Writes:
             if loc is None or loc.dram_slot < 0:
                 if start or (loc is not None and stop < loc.raw_len):
                     return None  # zero-fill, or a read-modify-write of an NVMe chunk
-                growth += pages(stop) - (loc.rec_len if loc is not None else 0)
-                dram_growth += pages(stop)
-            else:
-                if start > loc.raw_len:
-                    return None  # a gap to zero-fill
-                new_len = max(loc.raw_len, stop)
-                before = (0 if loc.seg else pages(loc.raw_len)) + (loc.rec_len if loc.seg else 0)
-                growth += pages(new_len) - before
-                dram_growth += pages(new_len) - pages(loc.raw_len)
+            elif start > loc.raw_len:
+                return None  # a gap to zero-fill
+            _, piece_growth, piece_dram_growth = _growth(loc, stop)
+            growth += piece_growth
+            dram_growth += piece_dram_growth
             pieces.append((c, start, stop, loc))
             pos = c * cs + stop
         try:
