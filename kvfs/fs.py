@@ -38,7 +38,8 @@ import pyfuse3
 from kvfs.faults import Faults
 from kvfs.namespace import NAME_MAX, Inode, Namespace, NamespaceError
 from kvfs.passthrough import Passthrough
-from kvfs.store.chunkstore import ChunkError, ChunkStore, NoSpace
+from kvfs.store.chunkstore import ChunkStore
+from kvfs.store.location import ChunkError, NoSpace
 
 log = logging.getLogger(__name__)
 

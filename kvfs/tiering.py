@@ -20,7 +20,8 @@ from collections.abc import Callable, Hashable, Iterator
 
 import trio
 
-from kvfs.store.chunkstore import FULL_RETRY_S, NoSpace
+from kvfs.store.location import NoSpace
+from kvfs.store.room import FULL_RETRY_S
 
 log = logging.getLogger(__name__)
 

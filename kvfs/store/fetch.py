@@ -4,7 +4,7 @@
 One fetch per chunk at a time (`pending`): writes and truncations of a chunk wait for its
 fetch before they change anything, since a passthrough open may read a staged region before
 the fetch ends (kvfs.passthrough, stage_watch). A staging claims the region first, so what
-fetches hold counts against DRAM meanwhile (`dram_filling`); the worker writes the bytes
+fetches hold counts against DRAM meanwhile (`filling`); the worker writes the bytes
 into it; the trio thread commits them only if the chunk's seq did not change meanwhile,
 else releases the region. Reads happen in worker threads (O_DIRECT into aligned buffers,
 decode, xxh3 of the raw bytes: a record is used only if it is the chunk's and checks out).
@@ -65,6 +65,7 @@ class Fetches:
         self.faults = faults
         self._fetching: dict[tuple[int, int], trio.Event] = {}  # in flight -> its end
         self.prefetched: set[tuple[int, int]] = set()
+        self.filling = 0  # pages of regions NVMe reads are filling, not committed yet
         self._prefetching: set[tuple[int, int]] = set()
         # ... and the ones in flight that a passthrough open counted as read already: their
         # bytes were staged, and the open answered from them, before the fetch was over.
@@ -206,7 +207,7 @@ class Fetches:
             if stage is not None and self.store.promotion_room(filling, stage):
                 self.store.dram.claim(ino, c)
                 claimed = True
-                self.store.dram_filling += filling
+                self.filling += filling
                 held = self.store.dram.hold(ino)
                 if watch and not pack and have is None:
                     watcher = self.store.stage_watch(ino, c, held.fd)
@@ -225,26 +226,26 @@ class Fetches:
                 return None
             if claimed and now.dram_slot >= 0:  # cannot be: writes wait for this fetch
                 log.error("inode %d chunk %d: became resident during its fetch", ino, c)
-                self.store.dram_filling -= filling
+                self.filling -= filling
                 self.store.dram.unclaim(ino)
                 claimed = False
             if claimed and staged:
-                self.store.dram_filling -= filling
+                self.filling -= filling
                 claimed = False  # the chunk owns the region now
                 new = now._replace(dram_slot=IN_DRAM,
                                    flags=(now.flags | PACKED) if pack else now.flags)
                 with self.store.meta.write() as txn:
-                    self.store._replace(txn, ino, c, now, new)
+                    self.store.chunks.replace(txn, ino, c, now, new)
                 installed = True
                 self.store.counters.promotions += 1
                 if not pack:
-                    self.store._mark_checked(ino, c, new)  # _read_record checked these bytes
+                    self.store.mark_checked(ino, c, new)  # _read_record checked these bytes
             return data if want else True
         finally:
             if watcher is not None:
                 watcher.done(installed)  # before the region is released, if it is
             if claimed:
-                self.store.dram_filling -= filling
+                self.filling -= filling
                 self.store.dram.release(ino, c, length)
                 self.store.dram.settle()
             del self._fetching[key]

@@ -269,7 +269,7 @@ class Cleaner:
             self.nvme.unpin(seg)
             seg.hold -= 1
         seg.sealed = True
-        self.nvme._maybe_delete(seg)
+        self.nvme.delete_if_unused(seg)
         if seg.deleted:
             self.segments_cleaned += 1
             self._unmovable.pop(seg.seg_id, None)

@@ -347,7 +347,7 @@ class NvmeLog:
             except OSError as exc:
                 log.warning("segment %d: giving back its unused end failed: %s", seg.seg_id, exc)
             self.room_changed()
-        self._maybe_delete(seg)
+        self.delete_if_unused(seg)
 
     def free_segments(self) -> int:
         return self.max_segments - len(self.segments)
@@ -358,9 +358,10 @@ class NvmeLog:
         if seg is None:
             return
         seg.live_bytes -= rec_len
-        self._maybe_delete(seg)
+        self.delete_if_unused(seg)
 
-    def _maybe_delete(self, seg: Segment) -> None:
+    def delete_if_unused(self, seg: Segment) -> None:
+        """Delete *seg* if it is sealed and nothing names its records any more."""
         if seg.sealed and seg.live_bytes <= 0 and not seg.deleted and not seg.hold:
             seg.deleted = True
             del self.segments[seg.seg_id]

@@ -152,7 +152,7 @@ class ReadThrough:
 
     def start(self, ino: int, size: int) -> None:
         """A reader opened a read-through file: start reading its first chunks."""
-        self.sequential(ino, 0, 0, self.store._nchunks(size))
+        self.sequential(ino, 0, 0, self.store.nchunks(size))
 
     def sequential(self, ino: int, c: int, last: int, nchunks: int,
                    next_chunk: int | None = None) -> None:
@@ -238,11 +238,11 @@ class ReadThrough:
         besides the copy (more read-ahead, counters, the chunks read to their end)."""
         cs = self.cs
         first, last = off // cs, (off + size - 1) // cs
-        self.sequential(ino, first, last, self.store._nchunks(file_size), (off + size) // cs)
+        self.sequential(ino, first, last, self.store.nchunks(file_size), (off + size) // cs)
         self.store.counters.front_reads += 1
         for c in range(first, last + 1):
             self.store.counters.chunks_from_nvme += 1
-            self.store._record_us(us, self.store.counters.read_latency_nvme_us)
+            self.store.record_us(us, self.store.counters.read_latency_nvme_us)
             ahead = self._ahead.get((ino, c))
             if ahead is None or ahead.data is None:
                 continue

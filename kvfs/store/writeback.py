@@ -234,7 +234,7 @@ class WriteBack:
                 new = Loc(IN_DRAM if keep else -1, job.seg.seg_id, job.off, job.rec_len,
                           now.raw_len, len(job.payload), job.used,
                           SEALED | now.flags & TAIL_LOST, job.csum, now.seq)
-                self.store._replace(txn, job.ino, job.c, now, new)
+                self.store.chunks.replace(txn, job.ino, job.c, now, new)
                 self.store.counters.writebacks += 1
                 if not keep:
                     self.store.counters.demotions += 1
@@ -267,7 +267,7 @@ class WriteBack:
         if loc is None or loc.dram_slot < 0 or loc.flags & PACKED or not loc.seg:
             return
         with self.store.meta.write() as txn:
-            self.store._replace(txn, ino, c, loc, nvme_only(loc))
+            self.store.chunks.replace(txn, ino, c, loc, nvme_only(loc))
         self.store.dram.claim(ino, c)
         try:
             self.store.dram.write(ino, c, 0, payload)
@@ -277,7 +277,7 @@ class WriteBack:
             self.store.dram.settle()
             return
         with self.store.meta.write() as txn:
-            self.store._replace(txn, ino, c, nvme_only(loc),
+            self.store.chunks.replace(txn, ino, c, nvme_only(loc),
                           loc._replace(dram_slot=IN_DRAM, flags=loc.flags | PACKED))
 
     def _encode_jobs(self, jobs: list[_Job]) -> None:
@@ -345,7 +345,7 @@ class WriteBack:
     async def fsync(self, ino: int, size: int) -> None:
         """Make a file's data durable on NVMe (its DRAM copies stay, clean)."""
         for _attempt in range(100):
-            dirty = [c for c in self.store.index.chunks_of(ino, self.store._nchunks(size))
+            dirty = [c for c in self.store.index.chunks_of(ino, self.store.nchunks(size))
                      if not self.store.is_clean((ino, c))]
             if not dirty:
                 break

@@ -1,0 +1,144 @@
+"""Room: what the store may still take (its capacity, as the NVMe tier sets it, and what is
+used of it), fallocate reservations, and the DRAM tier's room: a write that needs more waits
+for the demoter to make some (`wait_dram`), and a promotion takes only what is free.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import trio
+
+from kvfs.store.dram import pages
+from kvfs.store.episode import Episode
+from kvfs.store.location import NoSpace
+from kvfs.store.readthrough import PROMOTE_SHARE
+
+if TYPE_CHECKING:
+    from kvfs.store.chunkstore import ChunkStore
+
+# A write waiting for room in DRAM (the demoter writing chunks back to make it) gives up
+# with ENOSPC after this long in all.
+DRAM_WAIT_S = 60.0
+# While writing back fails for want of room, the demoter tries again this often (not at
+# every kick: each try costs a compression and a failed write), and a write needing DRAM
+# room meanwhile gets ENOSPC at once; after that long it waits for the next try.
+FULL_RETRY_S = 1.0
+
+
+class Room:
+    """The store's and the DRAM tier's room, and the writes waiting for it."""
+
+    def __init__(self, store: ChunkStore) -> None:
+        self.store = store
+        self.meta = store.meta
+        self.dram = store.dram
+        self.nvme = store.nvme
+        self.chunks = store.chunks
+        self.cs = store.cs
+        self.space_waiters = 0
+        self._space = trio.Event()
+        self.dram_pinned_full = Episode("DRAM tier full of files open in passthrough mode")
+
+    @property
+    def capacity(self) -> int:
+        """Record bytes the files may hold: what the NVMe tier's segments hold (as many as
+        nvme_size allows, or fewer while the filesystem below has no room for them: it may
+        be shared, or smaller), less the room kept free so that cleaning always has
+        somewhere to copy to (its reserved segments and 5%)."""
+        nvme = self.nvme
+        per_segment = nvme.usable(self.cs)
+        tier = nvme.max_segments * per_segment
+        return tier - nvme.gc_reserved * per_segment - tier // 20
+
+    @property
+    def used(self) -> int:
+        return self.chunks.nvme_live + self.chunks.unbacked + self.chunks.reserved + (
+            self.store.kernel.unseen_bytes() if self.store.kernel.files else 0)
+
+    def check_capacity(self, growth: int, ino: int) -> None:
+        if growth > 0 and ino in self.chunks.allocated:
+            # fallocate()d room is already counted
+            growth -= min(growth, self.chunks.reservation(ino))
+        if growth > 0 and (self.meta.room_low or self.used + growth > self.capacity):
+            raise NoSpace()
+
+    def check_room(self) -> None:
+        """NoSpace if the metadata has no room to grow (a create, a link, an xattr would
+        need some): see kvfs.store.meta, META_STEP."""
+        if self.meta.room_low:
+            raise NoSpace()
+
+    def allocate(self, ino: int, offset: int, length: int) -> None:
+        """fallocate(mode 0): reserve room for the holes in [offset, offset+length) so that
+        writes there cannot fail with ENOSPC. Raises NoSpace if it does not fit."""
+        cs = self.cs
+        missing = 0
+        for c in range(offset // cs, (offset + length + cs - 1) // cs):
+            if self.chunks.index.get(ino, c) is None:
+                missing += min(offset + length, (c + 1) * cs) - max(offset, c * cs)
+        if not missing:
+            return
+        missing = pages(missing)
+        if self.used + missing > self.capacity:
+            raise NoSpace()
+        self.chunks.set_allocated(ino, max(self.chunks.allocated.get(ino, 0),
+                                     self.chunks.file_bytes.get(ino, 0)) + missing)
+
+    def notify_space(self) -> None:
+        self._space.set()
+        self._space = trio.Event()
+
+    async def wait_dram(self, growth: int) -> bool:
+        """Wait until the DRAM tier has room for *growth* more bytes. True: there is none,
+        but the bytes may go over the tier's size (nothing could ever make room for them);
+        NoSpace at once while nothing can leave it (the NVMe tier is full), or after
+        DRAM_WAIT_S in all."""
+        deadline = trio.current_time() + DRAM_WAIT_S
+        while self.dram_load + growth > self.dram.capacity:
+            if not self._drop_one_clean():
+                if self.chunks.dram_chunks == 0:
+                    return True  # a single write bigger than DRAM: let it through
+                if self.store.nvme_full.met_within(FULL_RETRY_S):
+                    raise NoSpace()  # nothing leaves DRAM: at once, not after a wait
+                if self.dram_pinned_full.met_within(FULL_RETRY_S):
+                    return True  # nothing can leave it (see `nothing_leaves`)
+                self.space_waiters += 1
+                try:
+                    self.store.kick_demoter()
+                    with trio.move_on_at(deadline) as waited:
+                        await self._space.wait()
+                finally:
+                    self.space_waiters -= 1
+                if waited.cancelled_caught:
+                    raise NoSpace()
+        return False
+
+    def nothing_leaves(self) -> None:
+        """The demoter found nothing it may take out of a full DRAM tier: every chunk left
+        belongs to a file the kernel reads or writes straight from its DRAM file
+        (passthrough; adopted writers may grow such a file past PASSTHROUGH_SHARE). Writes
+        waiting for room go over the tier's size for a while instead of waiting for good."""
+        self.dram_pinned_full.failed(
+            f"{self.chunks.dram_used >> 20} MiB in DRAM, all of it held by files open in "
+            f"passthrough mode: writes go over the tier's {self.dram.capacity >> 20} MiB")
+        self.notify_space()
+
+    def _drop_one_clean(self) -> bool:
+        key = self.store.policy.coldest()
+        if key is not None and self.chunks.is_clean(key) and not self.store.policy.keep(key):
+            self.store.drop_dram_copy(key)
+            return True
+        return False  # dirty, wanted by readahead or far: the demoter keeps eviction order
+
+    @property
+    def dram_load(self) -> int:
+        """DRAM bytes in use: chunks' pages, regions that NVMe reads are filling and the room
+        promised to files the kernel is writing (their bytes are counted when taken)."""
+        return self.chunks.dram_used + self.store.fetches.filling + self.store.kernel.promised
+
+    def promotion_room(self, nbytes: int, limit: float | None = None) -> bool:
+        """May a promotion take *nbytes* of DRAM (below *limit* bytes, default 90%) without
+        evicting anything?"""
+        cap = self.dram.capacity * PROMOTE_SHARE if limit is None else limit
+        return self.dram_load + nbytes <= cap
