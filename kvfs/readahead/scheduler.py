@@ -342,7 +342,7 @@ class Scheduler:
                     continue
             _, _, key = heapq.heappop(self._heap)
             self._queued.discard(key)
-            if key in self.wants and self._nvme_only(key) and not self.store.fetches.busy(key):
+            if key in self.wants and self._nvme_only(key) and not self.store.fetching(key):
                 return key
 
     def _nvme_bytes(self, key: Key) -> int:
@@ -383,7 +383,7 @@ class Scheduler:
                 self._kind(w.kind)["issued"] += 1
         if result is not None:
             self._backoff = NO_ROOM_BACKOFF_S
-        if result and w is not None and key in self.store.fetches.prefetched:
+        if result and w is not None and key in self.store.prefetched:
             self.staged[key] = w.kind
             self.n["staged"] += 1
         elif w is not None and self._nvme_only(key) and (result is None or w.tries < 3):

@@ -31,7 +31,6 @@ class FakeStore:
         self.limiter = trio.CapacityLimiter(8)
         self.prefetch_limiter = trio.CapacityLimiter(4)
         self.prefetched: set = set()
-        self._fetching: dict = {}
         self.counters = SimpleNamespace(prefetch_issued=0)
         self.dram = SimpleNamespace(capacity=room_chunks * CS)
         self.active = self.max_active = 0
@@ -51,6 +50,9 @@ class FakeStore:
             return None
         return SimpleNamespace(dram_slot=-1 if t == "nvme" else 0, seg=0 if t == "dirty" else 1,
                                flags=0, rec_len=self.rec_len)
+
+    def fetching(self, key) -> bool:
+        return False  # prefetch() below stages at once
 
     def in_dram(self) -> int:
         return sum(t != "nvme" for t in self.tier.values())
