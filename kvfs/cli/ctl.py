@@ -1,7 +1,9 @@
 """`kvfsctl`: ask a mounted kvfs how it is doing.
 
     kvfsctl status MOUNTPOINT [--json]     tiers, capacities, chunk counts, hit counters
-    kvfsctl where PATH [--json]            which tier holds each chunk of a file
+    kvfsctl where PATH... [-r] [--chunks] [--json]
+                                           files and directories (-r: recursively): the
+                                           tiers of each file's chunks, and a total
     kvfsctl prefetch PATH...               stage files in DRAM: they will be read soon
 
 It talks to the daemon through virtual xattrs on the mount (see kvfs/control.py), so it works
@@ -32,15 +34,24 @@ def get_where(path: str) -> dict:
     return out
 
 
-def _getxattr(path: str, name: str) -> bytes:
-    import os
+class CtlError(Exception):
+    """What went wrong with one path, in one line for the operator."""
 
+
+def _getxattr(path: str, name: str) -> bytes:
     try:
         return os.getxattr(path, name)
     except OSError as exc:
-        if exc.errno in (errno.ENODATA, errno.EOPNOTSUPP, errno.ENOTSUP):
-            raise SystemExit(f"kvfsctl: {path} is not on a kvfs mount") from None
-        raise SystemExit(f"kvfsctl: {path}: {exc.strerror}") from None
+        raise CtlError(_why(path, exc)) from None
+
+
+def _why(path: str, exc: OSError) -> str:
+    if exc.errno in (errno.ENODATA, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return f"{path} is not on a kvfs mount"
+    if exc.errno == errno.ENOTCONN:
+        return (f"{path}: the daemon of this kvfs mount is gone (a crash?): clear it with "
+                f"`kvfs umount MOUNTPOINT`, then mount again")
+    return f"{path}: {exc.strerror}"
 
 
 def _ratio(a: int, b: int) -> str:
@@ -129,8 +140,6 @@ def _percentile(hist: list[int] | None, q: float) -> str:
 
 def prefetch(paths: list[str]) -> int:
     """Set user.kvfs.prefetch on each path; returns the exit code."""
-    import os
-
     code = 0
     for path in paths:
         try:
@@ -150,20 +159,108 @@ def print_where(w: dict) -> None:
               f"{c['raw_len']:>9} bytes, stored {c['stored_len']:>9}{flags}")
 
 
+SUMMARY_KEYS = ("chunks", "dram", "nvme", "both", "dirty", "lost")
+
+
+def summarize(chunks: list[dict]) -> dict:
+    """Chunk counts of one file: all, with a DRAM copy, with an NVMe copy, with both,
+    dirty (in DRAM only, not yet written back) and lost."""
+    out = dict.fromkeys(SUMMARY_KEYS, 0)
+    for c in chunks:
+        out["chunks"] += 1
+        dram, nvme = "dram" in c["tiers"], "nvme" in c["tiers"]
+        out["dram"] += dram
+        out["nvme"] += nvme
+        out["both"] += dram and nvme
+        out["dirty"] += bool(c["dirty"])
+        out["lost"] += bool(c["lost"])
+    return out
+
+
+def files_under(paths: list[str], recursive: bool) -> list[str]:
+    """The regular files *paths* name: files as given, the files in a directory (and in
+    its subdirectories with *recursive*); symbolic links inside directories are not
+    followed. Each path must be on a kvfs mount (CtlError otherwise)."""
+    out: list[str] = []
+    for path in paths:
+        _getxattr(path, "user.kvfs.status")  # on a kvfs mount, its daemon alive?
+        if not os.path.isdir(path):
+            out.append(path)
+            continue
+        stack = [path]
+        while stack:
+            d = stack.pop()
+            try:
+                entries = sorted(os.scandir(d), key=lambda e: e.name)
+            except OSError as exc:
+                raise CtlError(_why(d, exc)) from None
+            subdirs = []
+            for e in entries:
+                if e.is_file(follow_symlinks=False):
+                    out.append(e.path)
+                elif recursive and e.is_dir(follow_symlinks=False):
+                    subdirs.append(e.path)
+            stack.extend(reversed(subdirs))  # depth first, in name order
+    return out
+
+
+def where_many(paths: list[str], recursive: bool) -> tuple[list[dict], list[str]]:
+    """`get_where` of every file under *paths*, each with its path and summary; and the
+    errors met on files that went away or could not be read meanwhile."""
+    files, errors = [], []
+    for path in files_under(paths, recursive):
+        try:
+            w = get_where(path)
+        except CtlError as exc:
+            errors.append(str(exc))
+            continue
+        files.append({"path": path, **w, "summary": summarize(w["chunks"])})
+    return files, errors
+
+
+def print_where_summary(files: list[dict], chunks: bool) -> None:
+    print(f"{'size':>10} {'chunks':>7} {'dram':>7} {'nvme':>7} {'both':>7} {'dirty':>7} "
+          f"{'lost':>5}  path")
+    total = dict.fromkeys(SUMMARY_KEYS, 0)
+    size = 0
+    for f in files:
+        s = f["summary"]
+        print(f"{format_size(f['size']):>10} {s['chunks']:>7} {s['dram']:>7} {s['nvme']:>7} "
+              f"{s['both']:>7} {s['dirty']:>7} {s['lost']:>5}  {f['path']}")
+        if chunks:
+            print_where(f)
+        for k in SUMMARY_KEYS:
+            total[k] += s[k]
+        size += f["size"]
+    print(f"total: {len(files)} files, {format_size(size)}, {total['chunks']} chunks: "
+          f"{total['dram']} in DRAM, {total['nvme']} on NVMe ({total['both']} in both), "
+          f"{total['dirty']} dirty, {total['lost']} lost")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvfsctl", description="inspect a mounted kvfs")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("status", help="per-tier capacity, use, chunk counts and hit counters")
     p.add_argument("mountpoint")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p = sub.add_parser("where", help="the tier(s) of each chunk of a file")
-    p.add_argument("path")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p = sub.add_parser("where", help="the tiers of files' chunks: per file and a total")
+    p.add_argument("paths", nargs="+", metavar="PATH",
+                   help="files, and directories (the files in them)")
+    p.add_argument("-r", "--recursive", action="store_true",
+                   help="the files in directories' subdirectories too")
+    p.add_argument("--chunks", action="store_true",
+                   help="each chunk of each file too (the default for one file)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (one file: its chunks; else the files and "
+                        "a total)")
     p = sub.add_parser("prefetch", help="stage files in DRAM ahead of reading them")
     p.add_argument("paths", nargs="+", metavar="PATH")
     args = parser.parse_args(argv)
     try:
         return _run(args)
+    except CtlError as exc:
+        print(f"kvfsctl: {exc}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `kvfsctl status M | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
@@ -174,11 +271,26 @@ def _run(args: argparse.Namespace) -> int:
         st = get_status(args.mountpoint)
         print(json.dumps(st, indent=1)) if args.json else print_status(st)
     elif args.command == "where":
-        w = get_where(args.path)
-        print(json.dumps(w, indent=1)) if args.json else print_where(w)
+        return where(args)
     elif args.command == "prefetch":
         return prefetch(args.paths)
     return 0
+
+
+def where(args: argparse.Namespace) -> int:
+    one = len(args.paths) == 1 and not os.path.isdir(args.paths[0])
+    files, errors = where_many(args.paths, args.recursive)
+    if one and files:  # one file: its chunks, as before (with its summary)
+        print(json.dumps(files[0], indent=1)) if args.json else print_where_summary(files, True)
+    elif args.json:
+        total = {k: sum(f["summary"][k] for f in files) for k in SUMMARY_KEYS}
+        total |= {"files": len(files), "size": sum(f["size"] for f in files)}
+        print(json.dumps({"files": files, "total": total}, indent=1))
+    else:
+        print_where_summary(files, args.chunks)
+    for e in errors:
+        print(f"kvfsctl: {e}", file=sys.stderr)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,92 @@
+"""kvfsctl against a real mount: `where` over files and directories, a path outside kvfs and
+a mount whose daemon is gone."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+KVFSCTL = [sys.executable, "-m", "kvfs.cli.ctl"]
+CHUNK = 64 << 10  # conftest.SMALL
+
+
+def ctl(*args, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(KVFSCTL + [str(a) for a in args], capture_output=True, text=True,
+                       timeout=120)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def _tree(root) -> dict[str, int]:
+    """d/a (3 chunks and a bit), d/sub/b (2), c (1 byte), a link in d; their chunk counts."""
+    (root / "d" / "sub").mkdir(parents=True)
+    (root / "d" / "a").write_bytes(os.urandom(3 * CHUNK + 5))
+    (root / "d" / "sub" / "b").write_bytes(os.urandom(2 * CHUNK))
+    (root / "c").write_bytes(b"c")
+    (root / "d" / "link").symlink_to(root / "c")
+    return {"d/a": 4, "d/sub/b": 2, "c": 1}
+
+
+def test_where_files_and_directories(kv):
+    chunks = _tree(kv.path)
+    out = json.loads(ctl("where", "--json", kv.path / "d").stdout)
+    assert [f["path"] for f in out["files"]] == [str(kv.path / "d" / "a")]  # no -r: one level
+    out = json.loads(ctl("where", "-r", "--json", kv.path / "d", kv.path / "c").stdout)
+    assert [f["path"] for f in out["files"]] == [str(kv.path / n) for n in ("d/a", "d/sub/b", "c")]
+    for f, n in zip(out["files"], ("d/a", "d/sub/b", "c"), strict=True):
+        assert f["summary"]["chunks"] == chunks[n] == len(f["chunks"])
+        assert f["summary"]["dram"] == f["summary"]["dirty"] == chunks[n]  # not written back
+        assert f["summary"]["nvme"] == 0
+    assert out["total"] == {"chunks": 7, "dram": 7, "nvme": 0, "both": 0, "dirty": 7,
+                            "lost": 0, "files": 3, "size": 3 * CHUNK + 5 + 2 * CHUNK + 1}
+    text = ctl("where", "-r", kv.path).stdout.splitlines()
+    assert text[-1] == ("total: 3 files, 320.0 KiB, 7 chunks: 7 in DRAM, 0 on NVMe "
+                        "(0 in both), 7 dirty, 0 lost")
+    assert [line.split()[-1] for line in text[1:-1]] == [
+        str(kv.path / n) for n in ("c", "d/a", "d/sub/b")]
+
+    # Written back at unmount and DRAM gone: every chunk on NVMe only.
+    kv.unmount()
+    kv.lose_dram()
+    kv.start()
+    out = json.loads(ctl("where", "-r", "--json", kv.path).stdout)
+    assert out["total"] | {"size": 0} == {"chunks": 7, "dram": 0, "nvme": 7, "both": 0,
+                                          "dirty": 0, "lost": 0, "files": 3, "size": 0}
+    # One file: its chunks, as before, and its summary.
+    one = json.loads(ctl("where", "--json", kv.path / "d" / "a").stdout)
+    assert [c["tiers"] for c in one["chunks"]] == [["nvme"]] * 4
+    assert one["summary"]["nvme"] == 4
+    assert "chunk        3: nvme" in ctl("where", kv.path / "d" / "a").stdout
+
+
+def test_where_outside_kvfs_is_one_clear_error(kv, tmp_path):
+    (kv.path / "f").write_bytes(b"f")
+    outside = tmp_path / "plain"
+    outside.mkdir()
+    (outside / "x").write_bytes(b"x")
+    for args in ([outside], [kv.path / "f", outside / "x"], ["-r", outside]):
+        r = ctl("where", *args, check=False)
+        assert r.returncode == 2
+        assert r.stdout == ""
+        assert r.stderr.splitlines() == [f"kvfsctl: {args[-1]} is not on a kvfs mount"]
+    r = ctl("where", kv.path / "missing", check=False)
+    assert (r.returncode, r.stderr) == (2, f"kvfsctl: {kv.path / 'missing'}: "
+                                           "No such file or directory\n")
+
+
+def test_ctl_on_a_dead_mount_says_so(kv):
+    (kv.path / "f").write_bytes(b"f")
+    pid = kv.pid()
+    os.kill(pid, signal.SIGKILL)
+    for args in (["where", kv.path / "f"], ["status", kv.path]):
+        for _ in range(100):  # (until the kernel has seen the daemon go)
+            r = ctl(*args, check=False)
+            if r.returncode:
+                break
+        assert r.returncode == 2, r.stderr
+        assert "the daemon of this kvfs mount is gone" in r.stderr
+        assert "Traceback" not in r.stderr
