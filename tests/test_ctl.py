@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 KVFSCTL = [sys.executable, "-m", "kvfs.cli.ctl"]
 CHUNK = 64 << 10  # conftest.SMALL
@@ -90,3 +91,58 @@ def test_ctl_on_a_dead_mount_says_so(kv):
         assert r.returncode == 2, r.stderr
         assert "the daemon of this kvfs mount is gone" in r.stderr
         assert "Traceback" not in r.stderr
+
+
+def _frames(text: str) -> list[list[str]]:
+    frames: list[list[str]] = []
+    for line in text.splitlines():
+        if line.startswith("kvfs "):
+            frames.append([])
+        frames[-1].append(line)
+    return frames
+
+
+def test_top_shows_rates_count_times(kv):
+    data = os.urandom(1 << 20)
+    (kv.path / "f").write_bytes(data)
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            with open(kv.path / "f", "rb") as f:
+                assert f.read() == data
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        r = ctl("top", kv.path, "--interval", "0.3", "--count", "3")
+    finally:
+        stop.set()
+        t.join()
+    frames = _frames(r.stdout)
+    assert len(frames) == 3
+    rates = []
+    for frame in frames:
+        tiers = {line.split()[0]: line.split() for line in frame[2:4]}
+        assert set(tiers) == {"dram", "nvme"}
+        rates.append(float(tiers["dram"][7]))  # reads/s (used and capacity are "N unit")
+        assert frame[4].startswith("DRAM hit rate (chunks read from DRAM / from DRAM or NVMe)")
+        assert frame[5].startswith("prefetch: ") and frame[6].startswith("gc: ")
+    assert sum(rates) > 0  # the reader ran all along
+
+
+def test_top_stops_when_the_daemon_dies(kv):
+    p = subprocess.Popen(KVFSCTL + ["top", str(kv.path), "--interval", "0.1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().startswith(f"kvfs {kv.path} ")  # it runs
+        os.kill(kv.pid(), signal.SIGKILL)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 2
+    assert err.splitlines() == [f"kvfsctl: {kv.path}: the daemon of this kvfs mount is gone "
+                                "(a crash?): clear it with `kvfs umount MOUNTPOINT`, then "
+                                "mount again"]

@@ -5,6 +5,9 @@
                                            files and directories (-r: recursively): the
                                            tiers of each file's chunks, and a total
     kvfsctl prefetch PATH...               stage files in DRAM: they will be read soon
+    kvfsctl top MOUNTPOINT [--interval S] [--count N]
+                                           a live view: rates per tier, hit rate,
+                                           prefetch accuracy, GC, every S seconds
 
 It talks to the daemon through virtual xattrs on the mount (see kvfs/control.py), so it works
 wherever the mount is visible.
@@ -17,6 +20,7 @@ import errno
 import json
 import os
 import sys
+import time
 
 from kvfs.config import format_size
 
@@ -52,6 +56,13 @@ def _why(path: str, exc: OSError) -> str:
         return (f"{path}: the daemon of this kvfs mount is gone (a crash?): clear it with "
                 f"`kvfs umount MOUNTPOINT`, then mount again")
     return f"{path}: {exc.strerror}"
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, not {text}")
+    return value
 
 
 def _ratio(a: int, b: int) -> str:
@@ -255,6 +266,12 @@ def main(argv: list[str] | None = None) -> int:
                         "a total)")
     p = sub.add_parser("prefetch", help="stage files in DRAM ahead of reading them")
     p.add_argument("paths", nargs="+", metavar="PATH")
+    p = sub.add_parser("top", help="a live view: rates per tier, hit rate, prefetch, GC")
+    p.add_argument("mountpoint")
+    p.add_argument("--interval", type=_positive, default=1.0, metavar="SECONDS",
+                   help="seconds between views (default %(default)s)")
+    p.add_argument("--count", type=int, default=None, metavar="N",
+                   help="stop after N views (default: until interrupted)")
     args = parser.parse_args(argv)
     try:
         return _run(args)
@@ -274,7 +291,75 @@ def _run(args: argparse.Namespace) -> int:
         return where(args)
     elif args.command == "prefetch":
         return prefetch(args.paths)
+    elif args.command == "top":
+        return top(args.mountpoint, args.interval, args.count)
     return 0
+
+
+def top(mountpoint: str, interval: float, count: int | None) -> int:
+    """Print a view of the mount every *interval* seconds (*count* times, or until
+    interrupted), the rates from the difference of two status snapshots."""
+    clear = "\033[H\033[2J" if sys.stdout.isatty() else ""
+    before, t0 = get_status(mountpoint), time.monotonic()
+    shown = 0
+    try:
+        while count is None or shown < count:
+            time.sleep(max(0.0, t0 + interval - time.monotonic()))
+            now, t1 = get_status(mountpoint), time.monotonic()
+            sys.stdout.write(clear + top_frame(mountpoint, before, now, t1 - t0) + "\n")
+            sys.stdout.flush()
+            before, t0 = now, t1
+            shown += 1
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+def top_frame(mountpoint: str, a: dict, b: dict, dt: float) -> str:
+    """One view of `kvfsctl top`: the state in status *b*, the rates from *a* to *b* (*dt*
+    seconds apart)."""
+    def rate(section: str, key: str) -> float:
+        return (b[section].get(key, 0) - a[section].get(key, 0)) / dt if dt > 0 else 0.0
+
+    def pct(num: float, den: float) -> str:
+        return f"{100 * num / den:.1f}%" if den else "-"
+
+    r, rb = b["reads"], {k: rate("reads", k) for k in ("chunks_from_dram", "chunks_from_nvme")}
+    g = b["gc"]
+    user, gc = rate("gc", "user_bytes_written"), rate("gc", "gc_bytes_written")
+    lines = [f"kvfs {mountpoint}  {time.strftime('%H:%M:%S')}  every {dt:.1f}s, "
+             f"up {b['uptime_s']:.0f}s, {b['files']} files",
+             f"{'tier':6} {'used':>11} {'capacity':>11} {'use':>6} {'chunks':>9} "
+             f"{'reads/s':>9}  writes"]
+    for name, t in b["tiers"].items():
+        if name == "dram":
+            writes = (f"dirty {format_size(t.get('dirty_bytes', 0))}, "
+                      f"promoted {rate('moves', 'promotions'):.1f}/s, "
+                      f"demoted {rate('moves', 'demotions'):.1f}/s")
+        else:
+            writes = (f"user {format_size(user)}/s, gc {format_size(gc)}/s, "
+                      f"written back {rate('moves', 'writebacks'):.1f}/s")
+        lines.append(f"{name:6} {format_size(t['used_bytes']):>11} "
+                     f"{format_size(t['capacity_bytes']):>11} "
+                     f"{pct(t['used_bytes'], t['capacity_bytes']):>6} {t['chunks']:>9} "
+                     f"{rb.get(f'chunks_from_{name}', 0.0):>9.1f}  {writes}")
+    hits, misses = rb["chunks_from_dram"], rb["chunks_from_nvme"]
+    lines.append(f"DRAM hit rate (chunks read from DRAM / from DRAM or NVMe): "
+                 f"{pct(hits, hits + misses)} now, "
+                 f"{pct(r['chunks_from_dram'], r['chunks_from_dram'] + r['chunks_from_nvme'])}"
+                 f" since mount; {r['checksum_errors']} checksum errors")
+    pf = b.get("prefetch")
+    if pf:
+        issued, used = rate("prefetch", "issued_chunks"), rate("prefetch", "used_chunks")
+        lines.append(f"prefetch: {issued:.1f} issued/s, {used:.1f} used/s, "
+                     f"{rate('prefetch', 'late_chunks'):.1f} late/s, "
+                     f"{rate('prefetch', 'wasted_chunks'):.1f} wasted/s; accuracy (used / "
+                     f"issued) {pct(used, issued)} now, "
+                     f"{pct(pf.get('used_chunks', 0), pf.get('issued_chunks', 0))} since mount")
+    wa_now = f"{(user + gc) / user:.2f}" if user else "-"
+    lines.append(f"gc: {format_size(gc)}/s copied; write amplification {wa_now} now, "
+                 f"{g['write_amplification']} since mount")
+    return "\n".join(lines)
 
 
 def where(args: argparse.Namespace) -> int:
