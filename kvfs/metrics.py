@@ -84,18 +84,20 @@ def metrics_of(st: dict) -> Iterator[Metric]:
     r = st["reads"]
     c = CounterMetricFamily(
         "kvfs_read_chunks", "Chunks read, by the tier that served them: dram is a DRAM hit, "
-        "nvme a DRAM miss, hole a chunk never written.", labels=["tier"])
+        "nvme a DRAM miss, hole a chunk never written. A chunk counts at the READ that "
+        "takes its first byte, or when an open stages it or hands it to the kernel "
+        "(passthrough).", labels=["tier"])
     for tier, key in (("dram", "chunks_from_dram"), ("nvme", "chunks_from_nvme"),
                       ("hole", "chunks_from_holes")):
         c.add_metric([tier], r[key])
     yield c
-    if "requests_from_dram" in r:
-        c = CounterMetricFamily(
-            "kvfs_read_requests", "READ requests (each chunk a request touches counts once), "
-            "by the tier that served them.", labels=["tier"])
-        for tier in ("dram", "nvme"):
-            c.add_metric([tier], r[f"requests_from_{tier}"])
-        yield c
+    c = CounterMetricFamily(
+        "kvfs_read_requests", "READ requests the daemon served, once per chunk each took "
+        "bytes of, by the tier that served them.", labels=["tier"])
+    for tier, key in (("dram", "requests_from_dram"), ("nvme", "requests_from_nvme"),
+                      ("hole", "requests_from_holes")):
+        c.add_metric([tier], r[key])
+    yield c
     yield CounterMetricFamily("kvfs_checksum_errors", "Chunks whose bytes failed their "
                               "checksum when read (the read got EIO).",
                               value=r["checksum_errors"])

@@ -68,6 +68,8 @@ def test_metrics_follow_the_mount(mount_factory):
         assert f.read() == data
     third = scrape(port)
     assert _reads(third, "nvme") >= 16
+    assert third[("kvfs_read_requests_total", (("tier", "nvme"),))] == (
+        m.status()["reads"]["requests_from_nvme"])
     assert third[("kvfs_tier_used_bytes", (("tier", "nvme"),))] > 0
     # a DRAM miss was timed (unless the kernel read it by passthrough, staged by an open)
     assert _latency_count(third, "nvme") > 0 or m.status()["passthrough"]["staged_chunks"]

@@ -80,8 +80,12 @@ def print_status(st: dict) -> None:
     total = r["chunks_from_dram"] + r["chunks_from_nvme"]
     hit = f"{100 * r['chunks_from_dram'] / total:.1f}%" if total else "-"
     print(f"reads: {r['chunks_from_dram']} chunks from DRAM, {r['chunks_from_nvme']} from NVMe "
-          f"(DRAM hit rate {hit}), {r['checksum_errors']} checksum errors, "
+          f"(DRAM hit rate {hit} of chunks read), {r['checksum_errors']} checksum errors, "
           f"{r.get('dram_checked_chunks', 0)} DRAM copies checked")
+    if "requests_from_dram" in r:
+        print(f"READ requests served by the daemon, per chunk they touched: "
+              f"{r['requests_from_dram']} from DRAM, {r['requests_from_nvme']} from NVMe, "
+              f"{r['requests_from_holes']} from holes")
     lat = [f"{name} p50 {_percentile(r.get(f'{name}_latency_us_log2_histogram'), 0.5)}"
            f" p99 {_percentile(r.get(f'{name}_latency_us_log2_histogram'), 0.99)}"
            for name in ("dram", "nvme") if f"{name}_latency_us_log2_histogram" in r]
@@ -104,7 +108,8 @@ def print_status(st: dict) -> None:
         state = "" if pf.get("enabled", True) else " (prediction off)"
         print(f"prefetch{state}: {issued} issued, {used} used, {pf.get('late_chunks', 0)} late, "
               f"{pf.get('wasted_chunks', 0)} wasted (accuracy "
-              f"{f'{100 * used / issued:.1f}%' if issued else '-'}, DRAM hit rate {hit})")
+              f"{f'{100 * used / issued:.1f}%' if issued else '-'}, DRAM hit rate {hit} of "
+              f"chunks read)")
         if pf.get("enabled"):
             lat = pf.get("fetch_latency_us")
             print(f"prefetch depth {pf.get('depth_chunks')} chunks, lead {pf.get('lead_chunks')},"

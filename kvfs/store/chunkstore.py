@@ -787,7 +787,7 @@ class ChunkStore:
             if loc is None:
                 # A hole, or a chunk that a truncation removed while this read waited (for a
                 # fetch): zeros, but only up to the file's end as it is now.
-                self.counters.chunks_from_holes += 1
+                self.counters.count_read("holes", start == 0)
                 size = self.size_of(ino)
                 if size is not None:
                     length = max(0, min(length, size - c * self.cs - start))
@@ -803,7 +803,7 @@ class ChunkStore:
                     continue  # the chunk changed while we decoded it: start over
                 self.policy.hit((ino, c))
                 self.fetches.used((ino, c))
-                self.counters.chunks_from_dram += 1
+                self.counters.count_read("dram", start == 0)
                 self._record_latency(t0, self.counters.read_latency_dram_us)
                 return _slice(memoryview(data), start, length)
             if loc.dram_slot >= 0:
@@ -823,7 +823,7 @@ class ChunkStore:
                     verified.add((c, loc.seq))
                 self.policy.hit((ino, c))
                 self.fetches.used((ino, c))
-                self.counters.chunks_from_dram += 1
+                self.counters.count_read("dram", start == 0)
                 self._record_latency(t0, self.counters.read_latency_dram_us)
                 return _slice(view, 0, length)
             if self.fetches.late((ino, c)):
@@ -838,7 +838,7 @@ class ChunkStore:
                     continue  # the chunk changed while we read it: start over
                 if verified is not None:
                     verified.add((c, loc.seq))  # fetch verified it
-            self.counters.chunks_from_nvme += 1
+            self.counters.count_read("nvme", start == 0)
             self._record_latency(t0, self.counters.read_latency_nvme_us)
             if through and start + length >= loc.raw_len:
                 self.through.done(ino, c, loc, data)
@@ -1638,7 +1638,7 @@ class ChunkStore:
             },
             "reads": {"chunks_from_dram": k.chunks_from_dram,
                       "chunks_from_nvme": k.chunks_from_nvme,
-                      "chunks_from_holes": k.chunks_from_holes,
+                      "chunks_from_holes": k.chunks_from_holes, **k.request_counts(),
                       "chunks_unpacked": k.unpacked,
                       "checksum_errors": k.checksum_errors,
                       # DRAM copies hashed before a read trusted them (-o dram_verify)
