@@ -119,6 +119,7 @@ class Assembly:
         self.collector = CycleCollector(lambda: self.ops.requests)
         extra.append(self.collector.stats)
         self.left_in_dram = 0  # bytes the unmount could not write back (`run`)
+        self.metrics = None  # the daemon's MetricsServer (-o metrics), bound before we were
 
     def _size_of(self, ino: int) -> int | None:
         inode = self.ns.inodes.get(ino)
@@ -132,14 +133,21 @@ class Assembly:
 
     async def run(self) -> None:
         self.collector.install()  # after loading: what the mount loaded is never scanned again
-        async with trio.open_nursery() as nursery:
-            self.start_tasks(nursery)
-            nursery.start_soon(self._signals)
-            nursery.start_soon(self.collector.run)
-            # Enough request tasks that a slow NVMe read never holds up a DRAM hit.
-            await pyfuse3.main(min_tasks=8, max_tasks=64)
-            await self.finish()
-            nursery.cancel_scope.cancel()
+        if self.metrics is not None:  # scrapes read the status on this thread, between tasks
+            self.metrics.collector.attach(trio.lowlevel.current_trio_token(),
+                                          lambda: self.control.status(paths=False))
+        try:
+            async with trio.open_nursery() as nursery:
+                self.start_tasks(nursery)
+                nursery.start_soon(self._signals)
+                nursery.start_soon(self.collector.run)
+                # Enough request tasks that a slow NVMe read never holds up a DRAM hit.
+                await pyfuse3.main(min_tasks=8, max_tasks=64)
+                await self.finish()
+                nursery.cancel_scope.cancel()
+        finally:
+            if self.metrics is not None:
+                self.metrics.collector.detach()
 
     def start_tasks(self, nursery: trio.Nursery) -> None:
         """Start the mount's background work in *nursery*: the daemon's, around

@@ -150,6 +150,9 @@ class Settings:
     # NVMe placement streams (1-5): short, gc, long, medium, cold; see kvfs/store/streams.py.
     streams: int = 4
     log_file: str | None = None
+    # Serve the status counters in the Prometheus text format at http://[ADDR:]PORT/metrics
+    # (kvfs/metrics.py); "" (the default): no endpoint. ADDR defaults to 127.0.0.1.
+    metrics: str = ""
     # Most the metadata (lmdb) may grow to: ~100 bytes per chunk and per file. Only address
     # space until used.
     meta_size: str | int = "64G"

@@ -19,6 +19,7 @@ import sys
 import trio
 
 from kvfs.config import ConfigError, Settings, format_size
+from kvfs.metrics import MetricsServer, parse_address
 from kvfs.profile import from_environment
 from kvfs.store.dram import OPEN_FILES, is_tmpfs, own_tmpfs
 from kvfs.store.meta import FormatError
@@ -34,6 +35,8 @@ def check(settings: Settings) -> Settings:
     """Validate everything that can be validated without side effects; returns resolved
     settings or raises ConfigError / MountError with one clear message."""
     s = settings.resolve()
+    if s.metrics:
+        parse_address(s.metrics)
     mp = s.mountpoint
     if not mp:
         raise MountError("no mountpoint given")
@@ -232,6 +235,18 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
     from kvfs import fs
     from kvfs.assemble import Assembly
 
+    metrics = None
+    if s.metrics:
+        # Before anything is created: a port in use fails the mount, with nothing to undo.
+        metrics = MetricsServer(s.metrics)
+        try:
+            metrics.start()
+        except OSError as exc:
+            msg = (f"metrics: cannot listen on {metrics.url_host()}: "
+                   f"{exc.strerror or exc} (choose another -o metrics=[ADDR:]PORT)")
+            log.error("cannot start: %s", msg)
+            _tell(ready_fd, f"error: {msg}")
+            return 1
     lock = None
     try:
         lock = _lock(s.nvme_dir)
@@ -244,7 +259,10 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         _tell(ready_fd, f"error: {msg}")
         if lock is not None:
             os.close(lock)
+        if metrics is not None:
+            metrics.stop()
         return 1
+    asm.metrics = metrics
     if shim is not None:
         shim.set_rules(direct_align=fs.DIRECT_IO_ALIGN, file_caps=fs.FILE_CAPS,
                        first_fast_fh=fs.FAST_OPEN_FIRST_FH)
@@ -274,6 +292,8 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         asm.close()
         _tell(ready_fd, f"error: mounting {s.mountpoint} failed: {exc}")
         os.close(lock)
+        if metrics is not None:
+            metrics.stop()
         return 1
     front = shim is not None and shim.front_thread()
     # (dram_verify=open: every open checks the file again, none is answered by the front)
@@ -300,6 +320,8 @@ def _serve(s: Settings, ready_fd: int | None) -> int:
         if profile is not None:
             profile.write()
         pyfuse3.close(unmount=True)
+        if metrics is not None:
+            metrics.stop()
         try:
             asm.close()
         finally:

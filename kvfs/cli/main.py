@@ -78,7 +78,11 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                         "read_through_min= (files at least this long, default 4M, 0 for "
                         "none, are read from NVMe through the daemon with read-ahead "
                         "instead of being staged whole in DRAM first), meta_size= (most "
-                        "the metadata may grow to, default 64G)")
+                        "the metadata may grow to, default 64G), metrics=[ADDR:]PORT "
+                        "(serve the counters of `kvfsctl status` in the Prometheus text "
+                        "format at http://ADDR:PORT/metrics; ADDR is 127.0.0.1 unless "
+                        "given, e.g. 0.0.0.0:9108; off by default; a port that cannot be "
+                        "bound fails the mount)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -376,7 +376,7 @@ class ChunkStore:
             },
             "reads": {"chunks_from_dram": k.chunks_from_dram,
                       "chunks_from_nvme": k.chunks_from_nvme,
-                      "chunks_from_holes": k.chunks_from_holes,
+                      "chunks_from_holes": k.chunks_from_holes, **k.request_counts(),
                       "chunks_unpacked": k.unpacked,
                       "checksum_errors": k.checksum_errors,
                       # DRAM copies hashed before a read trusted them (-o dram_verify)

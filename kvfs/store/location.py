@@ -100,9 +100,16 @@ hash_bytes = _digest.xxh3 if HASH_RELEASES_GIL else xxhash.xxh3_64_intdigest
 
 @dataclass
 class Counters:
+    # Chunks read, by where their bytes came from: a chunk counts at the READ that takes
+    # its first byte (a reader's 32 READs of 32 KiB through a 1 MiB chunk read it once),
+    # and for every chunk an open staged or handed to the kernel (passthrough).
     chunks_from_dram: int = 0
     chunks_from_nvme: int = 0
     chunks_from_holes: int = 0
+    # READs the daemon served, each counted once per chunk it took bytes of.
+    requests_from_dram: int = 0
+    requests_from_nvme: int = 0
+    requests_from_holes: int = 0
     promotions: int = 0
     demotions: int = 0
     writebacks: int = 0
@@ -128,3 +135,16 @@ class Counters:
     read_ahead: int = 0  # NVMe chunks read ahead of a read-through reader (into memory)
     read_ahead_used: int = 0  # ... and then read by it (in chunks_from_nvme)
     front_reads: int = 0  # READs the front thread answered from chunks read ahead
+
+    def count_read(self, tier: str, first_byte: bool) -> None:
+        """A READ took bytes of one chunk from *tier* ("dram", "nvme" or "holes"): one
+        request, and a chunk read if they began at the chunk's *first_byte*."""
+        name = f"requests_from_{tier}"
+        setattr(self, name, getattr(self, name) + 1)
+        if first_byte:
+            name = f"chunks_from_{tier}"
+            setattr(self, name, getattr(self, name) + 1)
+
+    def request_counts(self) -> dict[str, int]:
+        return {f"requests_from_{tier}": getattr(self, f"requests_from_{tier}")
+                for tier in ("dram", "nvme", "holes")}

@@ -68,7 +68,7 @@ class Reads:
             if loc is None:
                 # A hole, or a chunk that a truncation removed while this read waited (for a
                 # fetch): zeros, but only up to the file's end as it is now.
-                self.counters.chunks_from_holes += 1
+                self.counters.count_read("holes", start == 0)
                 size = self.store.size_of(ino)
                 if size is not None:
                     length = max(0, min(length, size - c * self.cs - start))
@@ -84,7 +84,7 @@ class Reads:
                     continue  # the chunk changed while we decoded it: start over
                 self.store.policy.hit((ino, c))
                 self.store.fetches.used((ino, c))
-                self.counters.chunks_from_dram += 1
+                self.counters.count_read("dram", start == 0)
                 self.record_latency(t0, self.counters.read_latency_dram_us)
                 return _slice(memoryview(data), start, length)
             if loc.dram_slot >= 0:
@@ -104,7 +104,7 @@ class Reads:
                     verified.add((c, loc.seq))
                 self.store.policy.hit((ino, c))
                 self.store.fetches.used((ino, c))
-                self.counters.chunks_from_dram += 1
+                self.counters.count_read("dram", start == 0)
                 self.record_latency(t0, self.counters.read_latency_dram_us)
                 return _slice(view, 0, length)
             if self.store.fetches.late((ino, c)):
@@ -119,7 +119,7 @@ class Reads:
                     continue  # the chunk changed while we read it: start over
                 if verified is not None:
                     verified.add((c, loc.seq))  # fetch verified it
-            self.counters.chunks_from_nvme += 1
+            self.counters.count_read("nvme", start == 0)
             self.record_latency(t0, self.counters.read_latency_nvme_us)
             if through and start + length >= loc.raw_len:
                 self.store.through.done(ino, c, loc, data)

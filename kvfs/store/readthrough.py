@@ -241,7 +241,7 @@ class ReadThrough:
         self.sequential(ino, first, last, self.store.nchunks(file_size), (off + size) // cs)
         self.store.counters.front_reads += 1
         for c in range(first, last + 1):
-            self.store.counters.chunks_from_nvme += 1
+            self.store.counters.count_read("nvme", off <= c * cs)
             self.store.record_us(us, self.store.counters.read_latency_nvme_us)
             ahead = self._ahead.get((ino, c))
             if ahead is None or ahead.data is None:

@@ -400,12 +400,14 @@ def test_status_metrics_and_table(kv):
     for k in ("latency_us_log2_histogram", "dram_latency_us_log2_histogram",
               "nvme_latency_us_log2_histogram"):
         assert len(st["reads"][k]) == 24
-    # the histogram times the reads the daemon served; passthrough reads never reach it
-    # (an open that staged its file from NVMe counts those chunks as NVMe reads)
+    # the histogram times the reads the daemon served, once per chunk each took bytes of;
+    # passthrough reads never reach it (an open that staged its file from NVMe times those
+    # chunks as NVMe reads)
     pt = st["passthrough"]
-    assert (sum(st["reads"]["dram_latency_us_log2_histogram"]) + pt["chunks"]
-            - pt["staged_chunks"] == st["reads"]["chunks_from_dram"])
-    assert sum(st["reads"]["nvme_latency_us_log2_histogram"]) == st["reads"]["chunks_from_nvme"]
+    assert (sum(st["reads"]["dram_latency_us_log2_histogram"])
+            == st["reads"]["requests_from_dram"])
+    assert (sum(st["reads"]["nvme_latency_us_log2_histogram"])
+            == st["reads"]["requests_from_nvme"] + pt["staged_chunks"])
     assert st["prefetch"]["scheduler"]["max_in_flight"] <= st["prefetch"]["scheduler"][
         "concurrency"]
     r = subprocess.run(KVFSCTL + ["status", str(kv.path)], capture_output=True, text=True)
