@@ -21,6 +21,8 @@ from kvfs.readahead import Readahead
 from kvfs.store.chunkstore import ChunkStore
 from kvfs.store.codec import Codec, CodecPolicy
 from kvfs.store.dram import OPEN_FILES
+from kvfs.store.events import StoreEvents
+from kvfs.store.fetch import StageWatch
 from kvfs.store.gc import Cleaner
 from kvfs.store.meta import MetaStore
 from kvfs.store.streams import LifetimeClassifier, StreamTable
@@ -31,6 +33,46 @@ log = logging.getLogger(__name__)
 # Dirty DRAM data older than this is written back to NVMe in the background, so that a
 # reboot loses at most this much unsynced work (like the kernel's dirty_expire).
 WRITEBACK_AGE_S = 30.0
+
+
+class _Events(StoreEvents):
+    """The store's calls up (kvfs/store/events.py), forwarded to what the assembly builds
+    after the store: the namespace, passthrough, the demoter, placement, the cleaner. Until
+    each exists, the base class's answer stands."""
+
+    def __init__(self, asm: Assembly) -> None:
+        self.asm = asm
+
+    def changing(self, ino: int) -> None:
+        if self.asm.ops is not None:
+            self.asm.ops.pt.revoke(ino)
+
+    def staged(self, ino: int) -> None:
+        if self.asm.ops is not None:
+            self.asm.ops.pt.staged(ino)
+
+    def stage_watch(self, ino: int, c: int, fd: int) -> StageWatch | None:
+        return self.asm.ops.pt.stage_watch(ino, c, fd) if self.asm.ops is not None else None
+
+    def dram_filling(self) -> None:
+        if self.asm.demoter is not None:
+            self.asm.demoter.kick()
+
+    def file_deleted(self, ino: int) -> None:
+        if self.asm.classifier is not None:
+            self.asm.classifier.deleted(ino)
+
+    async def make_nvme_room(self) -> bool:
+        return self.asm.cleaner is not None and await self.asm.cleaner.make_room()
+
+    def size_of(self, ino: int) -> int | None:
+        return self.asm.size_of(ino)
+
+    def codec_context(self, ino: int) -> tuple[str | None, int | None]:
+        return self.asm.codec_context(ino)
+
+    def stream_of(self, ino: int) -> int:
+        return self.asm.classifier.stream_of(ino) if self.asm.classifier is not None else 0
 
 
 class Assembly:
@@ -47,6 +89,7 @@ class Assembly:
             raise ConfigError(f"{s.nvme_dir} was made with chunk_size {sb['chunk_size']}; "
                               f"it cannot change to {s.chunk_size}")
         self.policy = DramPolicy(s.dram_size // sb["chunk_size"])
+        self.ns = self.ops = self.demoter = self.classifier = self.cleaner = None
         self.store = ChunkStore(
             self.meta, sb["uuid"], chunk_size=sb["chunk_size"], dram_dir=s.dram_dir,
             dram_size=s.dram_size, nvme_dir=s.nvme_dir, nvme_size=s.nvme_size,
@@ -55,7 +98,7 @@ class Assembly:
             codec=Codec(CodecPolicy(enabled=s.compress, verify=False)),
             io_threads=s.io_threads, policy=self.policy, dram_compress=s.dram_compress,
             dram_verify=s.dram_verify, read_through_min=s.read_through_min,
-            dram_open_files=dram_open_files, faults=self.faults)
+            dram_open_files=dram_open_files, faults=self.faults, events=_Events(self))
         self.policy.pinned = lambda key: key[0] in self.store.dram.pins
         self.ns = Namespace(self.meta)
         for ino, (size, holes) in self.store.recovered_sizes.items():
@@ -68,14 +111,11 @@ class Assembly:
         self.store.prefetch_limiter.total_tokens = s.prefetch_concurrency
         self.readahead = Readahead(
             self.store, depth=s.readahead_chunks, enabled=s.prefetch,
-            bandwidth=s.prefetch_bandwidth, size_of=self._size_of, meta=self.meta)
+            bandwidth=s.prefetch_bandwidth, size_of=self.size_of, meta=self.meta)
         extra.append(self.readahead.stats)
         self.control = Control(self.ns, self.store, s, self.readahead, extra)
         self.ops = Operations(self.ns, self.store, self.control, self.readahead,
                               cache_mode=s.cache_mode, faults=self.faults)
-        self.store.revoke = self.ops.pt.revoke
-        self.store.staged = self.ops.pt.staged
-        self.store.stage_watch = self.ops.pt.stage_watch
         # opens answered by the shim's front thread, without waiting for the trio thread
         extra.append(self.ops.pt.stats)
         if s.cache_mode:
@@ -88,11 +128,8 @@ class Assembly:
             extra.append(lambda: {"evictions": {"files": self.evictor.evicted_files,
                                                 "bytes": self.evictor.evicted_bytes,
                                                 "examined_files": self.evictor.examined}})
-        self.store.codec_context = self._codec_context
-        self.store.size_of = self._size_of
         self.demoter = Demoter(self.store, high=s.dram_high_watermark, low=s.dram_low_watermark,
                                writeback_age=WRITEBACK_AGE_S)
-        self.store.kick_demoter = self.demoter.kick
         # keys the searches for victims looked at, index entries walked past by requests
         # for a file's chunks: per chunk demoted or file written, neither may grow with what
         # the mount holds (issue 33)
@@ -104,11 +141,8 @@ class Assembly:
         self.classifier = LifetimeClassifier(
             self.ns, self.streams, lambda: self.store.counters.user_bytes_written,
             self.store.nvme.capacity)
-        self.store.stream_of = self.classifier.stream_of
-        self.store.file_deleted = self.classifier.deleted
         self.store.nvme.stream_hints = dict(enumerate(self.streams.hints))
         self.cleaner = Cleaner(self.store, self.streams, faults=self.faults)
-        self.store.cleaner = self.cleaner
         extra += [self.cleaner.stats, self.classifier.stats]
         self.store.high_water = int(s.dram_high_watermark * s.dram_size)
         # Files unlinked while open when the daemon last stopped: nobody can reach them now.
@@ -121,12 +155,16 @@ class Assembly:
         self.left_in_dram = 0  # bytes the unmount could not write back (`run`)
         self.metrics = None  # the daemon's MetricsServer (-o metrics), bound before we were
 
-    def _size_of(self, ino: int) -> int | None:
+    def size_of(self, ino: int) -> int | None:
+        if self.ns is None:  # (while the store loads)
+            return None
         inode = self.ns.inodes.get(ino)
         return inode.size if inode is not None and inode.is_reg else None
 
-    def _codec_context(self, ino: int) -> tuple[str | None, int | None]:
+    def codec_context(self, ino: int) -> tuple[str | None, int | None]:
         """A file's dtype hint (user.kvfs.dtype, inherited) and the directory it is in."""
+        if self.ns is None:
+            return None, None
         up = self.ns.ancestors(ino)
         value = self.ns.inherited_hint(ino, b"user.kvfs.dtype", up)
         return (value.decode(errors="replace") if value else None), (up[0] if up else None)

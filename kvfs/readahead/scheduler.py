@@ -260,7 +260,7 @@ class Scheduler:
                 if victim not in self._demoting:
                     self._demoting.add(victim)
                     self._nursery.start_soon(self._demote, victim)
-        s.kick_demoter()
+        s.events.dram_filling()
         return False
 
     def _victims(self, mine: float, n: int) -> tuple[list[Key], list[Key], list[Key]]:

@@ -34,7 +34,6 @@ Concurrency protocol (all of this runs on the trio thread; see docs/DESIGN.md):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import trio
 
@@ -43,7 +42,8 @@ from kvfs.nursery import open_nursery
 from kvfs.store.chunkmap import ChunkMap
 from kvfs.store.codec import Codec
 from kvfs.store.dram import OPEN_FILES, DramFile, DramFiles
-from kvfs.store.fetch import Fetches, StageWatch
+from kvfs.store.events import StoreEvents
+from kvfs.store.fetch import Fetches
 from kvfs.store.kernel_written import KernelWritten, PassthroughReads
 from kvfs.store.location import (
     HASH_RELEASES_GIL,
@@ -82,9 +82,12 @@ class ChunkStore:
                  dram_size: int, nvme_dir: str, nvme_size: int, segment_size: int,
                  codec: Codec, io_threads: int, policy, dram_compress: bool = False,
                  dram_verify: str = "once", read_through_min: int = 0,
-                 dram_open_files: int = OPEN_FILES, faults: Faults | None = None) -> None:
+                 dram_open_files: int = OPEN_FILES, faults: Faults | None = None,
+                 events: StoreEvents | None = None) -> None:
         self.meta = meta
         self.faults = faults or Faults()
+        # the only calls that go up, to the layers above (kvfs/store/events.py)
+        self.events = events or StoreEvents()
         self.cs = chunk_size
         self.codec = codec
         # Clean DRAM copies are kept packed (compressed) when that saves pages.
@@ -110,28 +113,7 @@ class ChunkStore:
             m.get, m.dram_pages, m.is_clean, m.nchunks)
         self.relocated, self.live_record, self.reservation, self.blocks_bytes = (
             m.relocated, m.live_record, m.reservation, m.blocks_bytes)
-        # A file's dtype hint and its directory (the namespace's; set by the assembly).
-        self.codec_context: Callable[[int], tuple[str | None, int | None]] = (
-            lambda ino: (None, None))
-        self.kick_demoter: Callable[[], None] = lambda: None
-        self.cleaner = None  # set by the assembly (store.gc.Cleaner)
-        # Placement: which stream a file's records go to (issue 5 classifies; default one).
-        self.stream_of: Callable[[int], int] = lambda ino: 0
-        self.file_deleted: Callable[[int], None] = lambda ino: None  # lifetime learning
         self.high_water = int(0.9 * dram_size)  # set by tiering; start demoting above it
-        # revoke(ino): called before a file's DRAM copies are dropped or repacked, so that
-        # opens of it answered without the daemon (kvfs.fs, the front thread) are pins by
-        # then. Set by the assembly.
-        self.revoke: Callable[[int], None] = lambda ino: None
-        # staged(ino): a prefetch brought a chunk of *ino* into DRAM, checked (the file may be
-        # wholly resident now: kvfs.fs offers it to the front thread). Set by the assembly.
-        self.staged: Callable[[int], None] = lambda ino: None
-        # stage_watch(ino, c, fd): a prefetch is about to stage chunk *c* of *ino* in its
-        # DRAM file *fd*; kvfs.fs may answer a StageWatch, to let the front thread serve
-        # the file as soon as the worker has staged it. Set by the assembly.
-        self.stage_watch: Callable[[int, int, int], StageWatch | None] = \
-            lambda ino, c, fd: None
-        self.size_of: Callable[[int], int | None] = lambda ino: None  # set by the assembly
         # NVMe reads: demand reads, stagings, prefetches.
         self.fetches = Fetches(self, chunk_size=chunk_size, io_threads=io_threads,
                                faults=self.faults)
@@ -318,7 +300,7 @@ class ChunkStore:
         if loc is None or loc.dram_slot < 0:
             self.policy.removed(key)
             return
-        self.revoke(key[0])
+        self.events.changing(key[0])
         if not loc.seg or (key[0] in self.dram.pins and not loc.flags & PACKED):
             return
         with self.meta.write() as txn:
@@ -335,7 +317,7 @@ class ChunkStore:
             self.chunks.set_allocated(ino, 0)
         self.file_bytes.pop(ino, None)
         self.through.end(ino)
-        self.file_deleted(ino)
+        self.events.file_deleted(ino)
 
     # -- introspection -----------------------------------------------------------------------
     def where(self, ino: int, size: int) -> list[dict]:

@@ -121,7 +121,7 @@ class Fetches:
                 or key in self._fetching):
             return None
         if not self._prefetch_room(pages(self.staged_len(loc)), make_room):
-            self.store.kick_demoter()
+            self.store.events.dram_filling()
             return None
         self.store.counters.prefetch_issued += 1
         self._prefetching.add(key)
@@ -144,9 +144,9 @@ class Fetches:
             self.prefetched.add(key)
         if not now.flags & PACKED:  # fetch checked the bytes it staged: the next read
             self.store.dram.mark_checked(ino, c, now.seq)  # counts as checked (dram_verify=open)
-            self.store.staged(ino)
+            self.store.events.staged(ino)
         if self.store.dram_used > self.store.high_water:
-            self.store.kick_demoter()  # the demoter makes room in bulk, in eviction order
+            self.store.events.dram_filling()  # the demoter makes room in bulk, in eviction order
         return True
 
     @property
@@ -210,7 +210,7 @@ class Fetches:
                 self.filling += filling
                 held = self.store.dram.hold(ino)
                 if watch and not pack and have is None:
-                    watcher = self.store.stage_watch(ino, c, held.fd)
+                    watcher = self.store.events.stage_watch(ino, c, held.fd)
             seg = self.store.nvme.pin(loc.seg)
             try:
                 data, staged = await trio.to_thread.run_sync(

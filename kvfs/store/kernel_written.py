@@ -218,7 +218,7 @@ class KernelWritten:
         self.files[ino] = pages(expected)
         self.promised += pages(expected)
         if self.store.dram_load > self.store.high_water:
-            self.store.kick_demoter()
+            self.store.events.dram_filling()
         self.dram.pin(ino)
         self.counters.stream_opens += 1
         return self.dram.extend(ino, 0)
@@ -300,7 +300,7 @@ class KernelWritten:
         if done:
             self._ended(ino)
         if self.store.dram_load > self.store.high_water:
-            self.store.kick_demoter()
+            self.store.events.dram_filling()
         return size
 
     def unseen_bytes(self) -> int:

@@ -69,7 +69,7 @@ class Reads:
                 # A hole, or a chunk that a truncation removed while this read waited (for a
                 # fetch): zeros, but only up to the file's end as it is now.
                 self.counters.count_read("holes", start == 0)
-                size = self.store.size_of(ino)
+                size = self.store.events.size_of(ino)
                 if size is not None:
                     length = max(0, min(length, size - c * self.cs - start))
                 return bytes(length)

@@ -147,7 +147,7 @@ class ReadThrough:
         if not self.read_through_min:
             return False
         if size is None:
-            size = self.store.size_of(ino)
+            size = self.store.events.size_of(ino)
         return size is not None and size >= self.read_through_min
 
     def start(self, ino: int, size: int) -> None:

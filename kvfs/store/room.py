@@ -105,7 +105,7 @@ class Room:
                     return True  # nothing can leave it (see `nothing_leaves`)
                 self.space_waiters += 1
                 try:
-                    self.store.kick_demoter()
+                    self.store.events.dram_filling()
                     with trio.move_on_at(deadline) as waited:
                         await self._space.wait()
                 finally:

@@ -143,11 +143,11 @@ class WriteBack:
                 if drop:
                     self.store.drop_dram_copy((ino, c))
                 continue
-            job = _Job(i, ino, c, loc, self.store.dram.hold(ino), self.store.stream_of(ino),
+            job = _Job(i, ino, c, loc, self.store.dram.hold(ino), self.store.events.stream_of(ino),
                        self._file_codec.get(ino))
             if job.codec_id is None and ino not in choosing:
                 # the hint is looked up here: the namespace belongs to the trio thread
-                job.hint, job.directory = self.store.codec_context(ino)
+                job.hint, job.directory = self.store.events.codec_context(ino)
                 job.expected = self.choices.expected(job.directory) if job.hint is None else None
                 job.chooses = True
                 choosing[ino] = self._choosing[ino] = trio.Event()
@@ -218,7 +218,7 @@ class WriteBack:
             raise
         if drop or (pack and self.store.dram_compress):
             for ino in {job.ino for job in todo}:
-                self.store.revoke(ino)  # its opens answered by the front thread are pins now
+                self.store.events.changing(ino)  # front-thread opens: pins now
         packing: list[_Job] = []
         with self.store.meta.write() as txn:
             for job in todo:
@@ -318,7 +318,7 @@ class WriteBack:
             try:
                 return self.store.nvme.reserve(stream, rec_len)
             except NvmeFull:
-                if self.store.cleaner is None or not await self.store.cleaner.make_room():
+                if not await self.store.events.make_nvme_room():
                     raise NoSpace() from None
 
     def _encode(self, data: bytearray, loc: Loc, codec_id: int | None, hint: str | None,

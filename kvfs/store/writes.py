@@ -212,12 +212,12 @@ class Writes:
                 on_commit(c * self.cs + stop)
         self.counters.direct_writes += 1
         if self.store.dram_load > self.store.high_water:
-            self.store.kick_demoter()
+            self.store.events.dram_filling()
 
     def _extent(self, ino: int, c: int) -> int:
         """How many bytes of chunk *c* lie inside the file now (0 if its size is unknown):
         before a change of them, what its shadow still holds for the file."""
-        size = self.store.size_of(ino) or 0
+        size = self.store.events.size_of(ino) or 0
         return min(self.cs, max(0, size - c * self.cs))
 
     def _dram_loc(self, length: int, whole=None) -> Loc:
@@ -297,7 +297,7 @@ class Writes:
         if whole is not None:
             self.store.mark_checked(ino, c, new)  # hashed from the bytes just written there
         if self.store.dram_load > self.store.high_water:
-            self.store.kick_demoter()
+            self.store.events.dram_filling()
 
     async def truncate(self, ino: int, old_size: int, new_size: int,
                        on_commit: Callable[[], None] | None = None) -> None:
@@ -313,7 +313,8 @@ class Writes:
         cut = new_size - (keep - 1) * cs if new_size else 0
         last = keep - 1 if 0 < cut < cs else None  # the chunk that is cut, if any
         while True:  # until nothing is left to wait for (each await lets others in)
-            end = max(old_size, self.store.size_of(ino) or 0)  # a write may have grown it meanwhile
+            # a write may have grown it meanwhile
+            end = max(old_size, self.store.events.size_of(ino) or 0)
             pending = self._fetch_of(ino, keep if last is None else last, self.chunks.nchunks(end))
             if pending is not None:
                 await pending.wait()

@@ -12,6 +12,7 @@ import trio
 import trio.testing
 
 from kvfs.readahead.scheduler import Scheduler, Tuning
+from kvfs.store.events import StoreEvents
 from kvfs.tiering import DramPolicy
 
 CS = 65536
@@ -32,6 +33,7 @@ class FakeStore:
         self.prefetch_limiter = trio.CapacityLimiter(4)
         self.prefetched: set = set()
         self.counters = SimpleNamespace(prefetch_issued=0)
+        self.events = StoreEvents()
         self.dram = SimpleNamespace(capacity=room_chunks * CS)
         self.active = self.max_active = 0
         self.order: list = []
@@ -70,8 +72,6 @@ class FakeStore:
         self.prefetched.discard(key)
         self.dropped.append(key)
 
-    def kick_demoter(self):
-        pass
 
     async def writeback(self, key, drop):
         await trio.sleep(self.delay)

@@ -19,6 +19,7 @@ import trio
 from kvfs.store import gc as gcmod
 from kvfs.store.chunkstore import ChunkStore
 from kvfs.store.codec import Codec, CodecPolicy
+from kvfs.store.events import StoreEvents
 from kvfs.store.gc import Cleaner
 from kvfs.store.location import LOC, Loc
 from kvfs.store.meta import MetaStore, from_key2
@@ -160,6 +161,19 @@ CS = 16 << 10  # chunk
 SEG = 256 << 10  # segment: 12 records of one chunk
 
 
+class _Events(StoreEvents):
+    """Placement by inode (every third file long-lived), cleaning when NVMe is full."""
+
+    def __init__(self, rig) -> None:
+        self.rig = rig
+
+    def stream_of(self, ino: int) -> int:
+        return self.rig.table.route["long" if ino % 3 == 0 else "short"]
+
+    async def make_nvme_room(self) -> bool:
+        return self.rig.cleaner is not None and await self.rig.cleaner.make_room()
+
+
 class Harness:
     """A ChunkStore + Cleaner without FUSE (opened inside trio.run)."""
 
@@ -174,16 +188,15 @@ class Harness:
     def open(self) -> None:
         self.meta = MetaStore(os.path.join(self.nvme_dir, "meta"))
         sb = self.meta.load_superblock() or self.meta.create_superblock(CS, SEG)
+        self.table = StreamTable.make(self.streams)
+        self.cleaner = None
         self.store = ChunkStore(self.meta, sb["uuid"], chunk_size=CS, dram_dir=self.dram_dir,
                                 dram_size=64 * CS, nvme_dir=self.nvme_dir,
                                 nvme_size=self.nvme_size, segment_size=SEG,
                                 codec=Codec(CodecPolicy(enabled=False)), io_threads=2,
-                                policy=DramPolicy(64))
-        self.table = StreamTable.make(self.streams)
+                                policy=DramPolicy(64), events=_Events(self))
         self.store.nvme.stream_hints = dict(enumerate(self.table.hints))
-        self.store.stream_of = lambda ino: self.table.route["long" if ino % 3 == 0 else "short"]
         self.cleaner = Cleaner(self.store, self.table)
-        self.store.cleaner = self.cleaner
 
     def close(self) -> None:
         self.store.close()
