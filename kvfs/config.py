@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
 _PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|)\s*$", re.IGNORECASE)
+_POD_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
 class ConfigError(ValueError):
@@ -45,6 +47,25 @@ def parse_size(text: str | int, *, base: int | None = None, what: str = "size") 
     if not m:
         raise ConfigError(f"{what}: not a size: {text!r} (use e.g. 64M, 8G or 25%)")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def parse_duration(text: str | float, *, what: str = "duration") -> float:
+    """Parse `50ms`, `2s` or `0.05` (seconds) into seconds."""
+    if isinstance(text, int | float):
+        return float(text)
+    m = _DURATION_RE.match(text)
+    if not m:
+        raise ConfigError(f"{what}: not a duration: {text!r} (use e.g. 50ms, 2s or 0.05)")
+    return float(m.group(1)) * (0.001 if m.group(2).lower() == "ms" else 1.0)
+
+
+def parse_address(text: str, *, what: str = "address") -> tuple[str, int]:
+    """Split `HOST:PORT` (`[V6ADDR]:PORT` for IPv6), checking the port."""
+    host, sep, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{what}: not HOST:PORT: {text!r}")
+    return host, int(port)
 
 
 def format_size(n: float) -> str:
@@ -160,6 +181,17 @@ class Settings:
     # POINT:N); NVMe stagings take SECONDS longer while PATH exists (SECONDS:PATH).
     crash_at: str = ""
     fetch_delay: str = ""
+    # The pod tier (issue 35, kvfs/store/pod.py): parsed and checked, but not used by the
+    # daemon yet; the store and the namespace call the pod once it is wired in.
+    # The pod's Mooncake master, HOST:PORT ("": no pod).
+    pod: str = ""
+    # Which pod, on that master: part of every object key, so pods can share a master.
+    pod_name: str = "kvfs"
+    # Memory this member gives the pod's pool (Mooncake's global segment): a size, or a
+    # percentage of dram_size.
+    pod_segment_size: str | int = "25%"
+    # Most a pod call may hold up a request before it counts as a miss: 50ms, 0.05 or 1s.
+    pod_timeout: str | float = "50ms"
     extra: dict[str, str] = field(default_factory=dict)
 
     def resolve(self) -> Settings:
@@ -203,6 +235,19 @@ class Settings:
                               f"not {s.fast_open_files}")
         if not 1 <= s.streams <= 5:
             raise ConfigError(f"streams must be between 1 and 5, not {s.streams}")
+        if s.pod:
+            parse_address(s.pod, what="pod")
+        if not _POD_NAME_RE.match(s.pod_name):
+            raise ConfigError(f"pod_name must be 1-64 letters, digits, '.', '_' or '-', "
+                              f"not {s.pod_name!r}")
+        s.pod_segment_size = parse_size(self.pod_segment_size, base=s.dram_size,
+                                        what="pod_segment_size")
+        if s.pod and s.pod_segment_size < (16 << 20):
+            raise ConfigError(f"pod_segment_size must be at least 16M, not "
+                              f"{self.pod_segment_size}")
+        s.pod_timeout = parse_duration(self.pod_timeout, what="pod_timeout")
+        if not 0.001 <= s.pod_timeout <= 10:
+            raise ConfigError(f"pod_timeout must be between 1ms and 10s, not {self.pod_timeout}")
         s.dram_dir = os.path.abspath(self.dram_dir)
         s.nvme_dir = os.path.abspath(self.nvme_dir)
         return s

@@ -10,13 +10,17 @@ PYTHON=${PYTHON:-python3}
 # FUSE 3 and its headers (pyfuse3 builds against them), a C compiler for the Cython code,
 # xxHash's header (checksums without the GIL: native/_digest.pyx).
 pkgs="fuse3 libfuse3-dev pkg-config gcc libxxhash-dev"
+# The test and demo paths also install the pod tier's Mooncake client (the `pod` extra),
+# whose libraries link libibverbs even when they only speak TCP.
+case "${1:-}" in demo|test) pkgs="$pkgs libibverbs1" ;; esac
 if ! dpkg -s $pkgs >/dev/null 2>&1 || ! command -v "$PYTHON" >/dev/null; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $pkgs python3 python3-dev python3-pip >/dev/null
 fi
 # Debian's own python refuses pip installs without this; a pyenv/venv python ignores it.
 export PIP_BREAK_SYSTEM_PACKAGES=1
-"$PYTHON" -m pip install -q --disable-pip-version-check -e '.[test]'
+case "${1:-}" in demo|test) extras="test,pod" ;; *) extras="test" ;; esac
+"$PYTHON" -m pip install -q --disable-pip-version-check -e ".[$extras]"
 
 # mount(8) looks for helpers in /sbin: `mount -t fuse.kvfs` and fstab lines need these.
 bindir=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')

@@ -1,0 +1,584 @@
+"""The pod tier (issue 35): files other kvfs mounts of the pod published, through Mooncake Store.
+
+A `Pod` is this mount's member of the pod: one Mooncake client that also gives the pool
+`segment_size` bytes of memory. It publishes complete files (their records as kvfs stores
+them: no re-encode) and answers lookups and fetches of files others published. Nothing a pod
+call does reaches the caller as an exception: a negative Mooncake return, a timeout, a dead
+master or member, a damaged object are all a miss (and a counter).
+
+Objects (docs/FORMAT.md, Pod objects): for a file at PATH (relative to the mount) in pod NAME,
+the head `kvfs/NAME/h/PATH` (size, mode, chunk size, version, the records' places) and the
+data `kvfs/NAME/d/PATH@MEMBER.VERSION` (the records back to back). A lookup reads heads only;
+the head names the data, so a rewritten file (a new version) is a new data object and a
+reader never mixes two versions.
+
+Threads: every Mooncake call runs in a worker thread (they release the GIL), on one of three
+lanes of one thread each: lookups, fetches, publishing. A lookup or fetch waits at most
+`timeout` (fetches: plus their size at FETCH_FLOOR_BPS), then counts as a miss; its call
+is abandoned and finishes on its own. While a lane's call has run past the timeout (a dead
+master holds a call ~4 s in Mooncake 0.3.13.post1), calls on that lane miss at once instead
+of queueing. Publishing goes through a queue with a byte cap, never waits for the pod:
+what does not fit is dropped and counted. docs/DESIGN.md, Pod tier.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import trio
+import xxhash
+
+from kvfs.store.codec import Codec, CodecError
+from kvfs.store.location import hash_bytes
+from kvfs.store.nvme import HEADER_SIZE, RecordError, RecordHeader, pack_header, unpack_header
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+HEAD_MAGIC = 0x4850564B  # b"KVPH" little-endian
+HEAD_VERSION = 1
+# magic, version, flags, mode, chunk_size, size, mtime_ns, file version, chunks,
+# path length, member length
+HEAD_FIXED = struct.Struct("<IHHIIQqQIHH")
+HEAD_ENTRY = struct.Struct("<QQI")  # chunk number, offset in the data object, record length
+HEAD_CHECK = struct.Struct("<Q")  # xxh3-64 of every byte before it
+# A head is read into a slot of this size: a file of up to ~3,200 chunks (3 GiB at 1 MiB).
+HEAD_MAX = 64 << 10
+# Lookups answered by one Mooncake call at most.
+BATCH_MAX = 32
+# A fetch may take its size at this rate on top of the timeout before it is a miss.
+FETCH_FLOOR_BPS = 256 << 20
+# Mooncake's return codes (mooncake-store/include/types.h): the ones that mean "not there".
+OBJECT_NOT_FOUND = -704
+# Negative and positive lookup answers kept at most (the oldest go first).
+CACHE_MAX = 1 << 16
+MEMBERS_EVERY_S = 5.0
+CONNECT_RETRY_S = 1.0
+
+
+class PodObjectError(Exception):
+    """A pod object is damaged or not what its key says (a miss for the reader)."""
+
+
+class PodUnavailable(Exception):
+    """The pod tier cannot run here (the Mooncake client is not installed or does not load)."""
+
+
+@dataclass(frozen=True)
+class PodHead:
+    """What a lookup learns of a published file: enough to show it and to fetch it."""
+
+    path: str
+    member: str  # who published this version
+    version: int
+    mode: int
+    size: int
+    mtime_ns: int
+    chunk_size: int
+    # (chunk number, offset in the data object, record length), by chunk number
+    entries: tuple[tuple[int, int, int], ...]
+
+    @property
+    def data_len(self) -> int:
+        return sum(length for _, _, length in self.entries)
+
+
+@dataclass
+class PodFile:
+    """A fetched file: its head and each present chunk's raw bytes, checked."""
+
+    head: PodHead
+    chunks: dict[int, bytes]
+
+    def data(self) -> bytes:
+        """The whole file (holes as zeros)."""
+        out = bytearray(self.head.size)
+        cs = self.head.chunk_size
+        for c, raw in self.chunks.items():
+            out[c * cs:c * cs + len(raw)] = raw
+        return bytes(out)
+
+
+def encode_head(head: PodHead) -> bytes:
+    path, member = head.path.encode(), head.member.encode()
+    body = b"".join([
+        HEAD_FIXED.pack(HEAD_MAGIC, HEAD_VERSION, 0, head.mode, head.chunk_size, head.size,
+                        head.mtime_ns, head.version, len(head.entries), len(path), len(member)),
+        path, member, *(HEAD_ENTRY.pack(*e) for e in head.entries)])
+    return body + HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def decode_head(buf: bytes | memoryview, path: str) -> PodHead:
+    """Parse and check a head read under *path*'s key; PodObjectError if it is not one."""
+    mv = memoryview(buf)
+    if len(mv) < HEAD_FIXED.size + HEAD_CHECK.size:
+        raise PodObjectError(f"pod head of {path!r} is truncated ({len(mv)} bytes)")
+    (check,) = HEAD_CHECK.unpack_from(mv, len(mv) - HEAD_CHECK.size)
+    if xxhash.xxh3_64_intdigest(mv[:-HEAD_CHECK.size]) != check:
+        raise PodObjectError(f"pod head of {path!r}: checksum mismatch")
+    (magic, version, _flags, mode, chunk_size, size, mtime_ns, file_version, n, path_len,
+     member_len) = HEAD_FIXED.unpack_from(mv)
+    if magic != HEAD_MAGIC or version != HEAD_VERSION:
+        raise PodObjectError(f"pod head of {path!r}: magic {magic:#x}, version {version}")
+    off = HEAD_FIXED.size
+    if off + path_len + member_len + n * HEAD_ENTRY.size + HEAD_CHECK.size != len(mv):
+        raise PodObjectError(f"pod head of {path!r}: lengths do not add up")
+    if bytes(mv[off:off + path_len]) != path.encode():
+        raise PodObjectError(f"pod head under {path!r} is another file's")
+    off += path_len
+    member = bytes(mv[off:off + member_len]).decode(errors="replace")
+    off += member_len
+    entries = tuple(HEAD_ENTRY.unpack_from(mv, off + i * HEAD_ENTRY.size) for i in range(n))
+    end = 0
+    for c, o, length in entries:
+        if o != end or length <= HEADER_SIZE or c * chunk_size >= max(size, 1):
+            raise PodObjectError(f"pod head of {path!r}: bad entry for chunk {c}")
+        end += length
+    return PodHead(path, member, file_version, mode, size, mtime_ns, chunk_size, entries)
+
+
+def decode_data(head: PodHead, data: bytes | memoryview, codec: Codec) -> PodFile:
+    """Check and decode a data object against its head: every record's header check, its
+    chunk number and lengths, its payload decoded and hashed against the record's checksum.
+    PodObjectError on the first thing that does not match (never partly wrong bytes)."""
+    mv = memoryview(data)
+    if len(mv) != head.data_len:
+        raise PodObjectError(f"pod data of {head.path!r}: {len(mv)} bytes, head says "
+                             f"{head.data_len}")
+    chunks: dict[int, bytes] = {}
+    for c, off, length in head.entries:
+        rec = mv[off:off + length]
+        try:
+            h = unpack_header(rec)
+        except RecordError as e:
+            raise PodObjectError(f"pod data of {head.path!r}, chunk {c}: {e}") from None
+        if (h.chunk != c or HEADER_SIZE + h.stored_len != length or h.raw_len > head.chunk_size
+                or c * head.chunk_size + h.raw_len > head.size):
+            raise PodObjectError(f"pod data of {head.path!r}, chunk {c}: record does not fit")
+        try:
+            raw = bytes(codec.decode(h.codec, rec[HEADER_SIZE:], h.raw_len))
+        except CodecError as e:
+            raise PodObjectError(f"pod data of {head.path!r}, chunk {c}: {e}") from None
+        if hash_bytes(raw) != h.checksum:
+            raise PodObjectError(f"pod data of {head.path!r}, chunk {c}: checksum mismatch")
+        chunks[c] = raw
+    return PodFile(head, chunks)
+
+
+def records_of(data: bytes, chunk_size: int, codec: Codec,
+               hint: str | None = None) -> list[tuple[int, bytes]]:
+    """Records of *data* as the store writes them, for publishers that hold only bytes
+    (tools, tests): (chunk number, 64-byte header + payload) per chunk."""
+    out = []
+    for c in range(0, (len(data) + chunk_size - 1) // chunk_size):
+        raw = data[c * chunk_size:(c + 1) * chunk_size]
+        used, payload = codec.encode(raw, codec.choose(raw, hint))
+        header = RecordHeader(used, 0, 0, c, 0, len(raw), len(payload), hash_bytes(raw))
+        out.append((c, pack_header(header) + bytes(payload)))
+    return out
+
+
+def _mooncake_store_class() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        raise PodUnavailable(
+            f"the pod tier needs Mooncake's client: pip install 'kvfs[pod]' and apt install "
+            f"libibverbs1 ({e})") from None
+    return MooncakeDistributedStore
+
+
+def _local_address(host: str, port: int) -> str:
+    """The address of this machine the master's host is reached from: 127.0.0.1 for a
+    master on loopback, so that peers are told a loopback address."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))  # UDP: chooses the route, sends nothing
+        return s.getsockname()[0]
+
+
+class _Buffer:
+    """Memory Mooncake reads from and writes into (registered with the client)."""
+
+    def __init__(self, size: int) -> None:
+        self.mem = mmap.mmap(-1, size)
+        self.size = size
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.mem))
+
+
+@dataclass
+class _Lane:
+    """One worker thread's worth of Mooncake calls, one at a time."""
+
+    limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
+    busy_since: float | None = None
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        self.busy_since = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.busy_since = None
+
+    def stuck(self, timeout: float) -> bool:
+        since = self.busy_since
+        return since is not None and time.monotonic() - since > timeout
+
+
+@dataclass
+class PodCounters:
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    published_files: int = 0
+    published_bytes: int = 0
+    fetched_bytes: int = 0
+    errors: int = 0  # negative Mooncake returns other than "not found", failed setups
+    timeouts: int = 0  # lookups and fetches that gave up waiting (also misses)
+    damaged: int = 0  # heads or data objects that failed their checks (also misses)
+    dropped: int = 0  # files not published: the queue was full, too big, or no pod
+
+
+@dataclass
+class _Job:
+    head: PodHead
+    head_bytes: bytes
+    records: list[bytes]
+
+
+class Pod:
+    """This mount's member of a pod. `run()` must be running (in the daemon's nursery) for
+    it to connect and publish; lookups and fetches miss until it has connected."""
+
+    def __init__(self, master: str, name: str, member: str, segment_size: int, *,
+                 timeout: float = 0.05, codec: Codec | None = None,
+                 queue_bytes: int = 256 << 20, max_object: int = 64 << 20,
+                 miss_ttl: float = 1.0, hit_ttl: float = 1.0,
+                 metrics: str | None = None) -> None:
+        self.store_class = _mooncake_store_class()
+        # A setup while the master is away retries 20 times at ~4.4 s each in Mooncake
+        # (90 s in one call); run() retries every second itself instead.
+        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+        self.master = master
+        host, _, port = master.rpartition(":")
+        self.host, self.port = host.removeprefix("[").removesuffix("]"), int(port)
+        self.name = name
+        self.member = member
+        self.segment_size = segment_size
+        self.timeout = timeout
+        self.codec = codec or Codec()
+        self.queue_bytes = queue_bytes
+        self.max_object = max_object
+        self.miss_ttl = miss_ttl
+        self.hit_ttl = hit_ttl
+        # Mooncake's master reports its members on its metrics port (9003 by default).
+        self.metrics = metrics or f"{host}:9003"
+        self.counters = PodCounters()
+        self.members: int | None = None
+        self.queued_bytes = 0
+        self._client: Any = None
+        self._count_lock = threading.Lock()
+        self._lookup_lane, self._fetch_lane, self._publish_lane = _Lane(), _Lane(), _Lane()
+        self._misses: dict[str, float] = {}  # path -> until when it is a known miss
+        self._heads: dict[str, tuple[float, PodHead]] = {}  # path -> (until when, head)
+        self._wanted: set[str] = set()  # paths waiting for a batch
+        self._batching: trio.Event | None = None  # set when the batch in flight ends
+        self._latencies_us: collections.deque[int] = collections.deque(maxlen=4096)
+        self._send, self._recv = trio.open_memory_channel[_Job](float("inf"))
+        self._head_buf = _Buffer(BATCH_MAX * HEAD_MAX)
+        self._fetch_buf = _Buffer(max_object)
+        self._publish_buf = _Buffer(max_object)
+
+    # -- keys ---------------------------------------------------------------------------
+
+    def head_key(self, path: str) -> str:
+        return f"kvfs/{self.name}/h/{path}"
+
+    def data_key(self, head: PodHead) -> str:
+        return f"kvfs/{self.name}/d/{head.path}@{head.member}.{head.version:016x}"
+
+    # -- running ------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Connect (retrying while the master is away), then publish what is queued and
+        keep the member count fresh. Cancel to stop; close() afterwards."""
+        task_status.started()
+        while self._client is None:
+            client = await trio.to_thread.run_sync(self._publish_lane.run, self._connect,
+                                                   limiter=self._publish_lane.limiter,
+                                                   abandon_on_cancel=True)
+            if client is None:
+                await trio.sleep(CONNECT_RETRY_S)
+            self._client = client
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._count_members)
+            async for job in self._recv:
+                await trio.to_thread.run_sync(self._publish_lane.run, self._put, job,
+                                              limiter=self._publish_lane.limiter,
+                                              abandon_on_cancel=True)
+                self.queued_bytes -= sum(map(len, job.records))
+
+    def _connect(self) -> Any:
+        """Worker thread: a Mooncake client set up and our buffers registered, or None."""
+        client = self.store_class()
+        local = _local_address(self.host, self.port)
+        rc = client.setup(local, "P2PHANDSHAKE", self.segment_size, 0, "tcp", "", self.master)
+        for buf in (self._head_buf, self._fetch_buf, self._publish_buf):
+            if rc == 0:
+                rc = client.register_buffer(buf.addr, buf.size)
+        if rc != 0:
+            self._count("errors")
+            log.warning("pod: cannot join the pod at %s (Mooncake returned %d); retrying",
+                        self.master, rc)
+            client.close()
+            return None
+        log.info("pod: joined the pod %r at %s as %s (%s of memory)", self.name, self.master,
+                 local, self.segment_size)
+        return client
+
+    async def close(self) -> None:
+        """Leave the pod (after run() was cancelled): the client unmounts its segment."""
+        client, self._client = self._client, None
+        if client is None:
+            return
+        # Calls abandoned by their callers may still be running on the lanes: wait for them.
+        async with self._lookup_lane.limiter, self._fetch_lane.limiter:
+            await trio.to_thread.run_sync(client.close, limiter=self._publish_lane.limiter)
+
+    async def _count_members(self) -> None:
+        while True:
+            self.members = await trio.to_thread.run_sync(self._read_members,
+                                                         abandon_on_cancel=True)
+            await trio.sleep(MEMBERS_EVERY_S)
+
+    def _read_members(self) -> int | None:
+        try:
+            with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=1) as r:
+                for line in r.read().decode().splitlines():
+                    if line.startswith("master_active_clients "):
+                        return int(float(line.split()[1]))
+        except (OSError, ValueError):
+            pass
+        return None
+
+    def _count(self, name: str, n: int = 1) -> None:
+        """Worker threads count too (an abandoned call still finishes and counts)."""
+        with self._count_lock:
+            setattr(self.counters, name, getattr(self.counters, name) + n)
+
+    async def _call(self, lane: _Lane, timeout: float, fn: Callable[..., T],
+                    *args: Any) -> T | None:
+        """fn(*args) on *lane*'s thread, or None if that takes more than *timeout*."""
+        if lane.stuck(timeout):
+            self._count("timeouts")
+            return None
+        with trio.move_on_after(timeout):
+            return await trio.to_thread.run_sync(lane.run, fn, *args, limiter=lane.limiter,
+                                                 abandon_on_cancel=True)
+        self._count("timeouts")
+        return None
+
+    # -- publishing ---------------------------------------------------------------------
+
+    def publish(self, path: str, records: Sequence[tuple[int, bytes]], *, version: int,
+                mode: int, size: int, mtime_ns: int, chunk_size: int) -> bool:
+        """Queue a complete file for the pod: its records (chunk number, header + payload)
+        in chunk order. Never waits: False (and counted) if it was dropped instead."""
+        entries, off = [], 0
+        for c, rec in records:
+            entries.append((c, off, len(rec)))
+            off += len(rec)
+        head = PodHead(path, self.member, version, mode, size, mtime_ns, chunk_size,
+                       tuple(entries))
+        head_bytes = encode_head(head)
+        if (self._client is None or off > self.max_object or len(head_bytes) > HEAD_MAX
+                or self.queued_bytes + off > self.queue_bytes):
+            self.counters.dropped += 1
+            return False
+        self.queued_bytes += off
+        self._send.send_nowait(_Job(head, head_bytes, [rec for _, rec in records]))
+        return True
+
+    def _put(self, job: _Job) -> None:
+        """Worker thread: the data object, then the head that names it (replacing the
+        previous version's: Mooncake keeps a key's first value, so it is removed first)."""
+        mem, off = self._publish_buf.mem, 0
+        for rec in job.records:
+            mem[off:off + len(rec)] = rec
+            off += len(rec)
+        client = self._client
+        # A file without records (empty, or all holes) is its head alone.
+        rc = client.put_from(self.data_key(job.head), self._publish_buf.addr, off) if off else 0
+        if rc == 0:
+            mem[off:off + len(job.head_bytes)] = job.head_bytes
+            client.remove(self.head_key(job.head.path), True)  # absent is fine
+            rc = client.put_from(self.head_key(job.head.path), self._publish_buf.addr + off,
+                                 len(job.head_bytes))
+        if rc != 0:
+            self._count("errors")
+            log.debug("pod: publishing %r failed (Mooncake returned %d)", job.head.path, rc)
+            return
+        self._count("published_files")
+        self._count("published_bytes", off)
+
+    # -- lookups ------------------------------------------------------------------------
+
+    async def lookup(self, path: str) -> PodHead | None:
+        """The head of *path* if some member published it, else None (also on any failure),
+        within the timeout."""
+        t0 = time.perf_counter()
+        self.counters.lookups += 1
+        head = self._known(path)
+        if head is None and self._client is not None and path not in self._misses:
+            await self._batched(path)
+            head = self._known(path)
+        if head is None:
+            self.counters.misses += 1
+        else:
+            self.counters.hits += 1
+        self._latencies_us.append(int((time.perf_counter() - t0) * 1e6))
+        return head
+
+    def _known(self, path: str) -> PodHead | None:
+        now = time.monotonic()
+        until = self._misses.get(path)
+        if until is not None and until < now:
+            del self._misses[path]
+        cached = self._heads.get(path)
+        if cached is None:
+            return None
+        if cached[0] < now:
+            del self._heads[path]
+            return None
+        return cached[1]
+
+    def forget(self, path: str) -> None:
+        """Drop what the caches say of *path* (e.g. the caller found it damaged)."""
+        self._misses.pop(path, None)
+        self._heads.pop(path, None)
+
+    async def _batched(self, path: str) -> None:
+        """Wait until a batch answered *path* (into the caches) or the timeout passed. The
+        first waiter runs a batch of every path wanted; the others wait for it and for the
+        next one, so concurrent lookups share Mooncake calls."""
+        self._wanted.add(path)
+        try:
+            with trio.move_on_after(self.timeout):
+                while path in self._wanted:
+                    if self._batching is None:
+                        await self._run_batch()
+                    else:
+                        await self._batching.wait()
+        finally:
+            self._wanted.discard(path)
+
+    async def _run_batch(self) -> None:
+        paths = list(self._wanted)[:BATCH_MAX]
+        done = self._batching = trio.Event()
+        try:
+            answers = await self._call(self._lookup_lane, self.timeout, self._get_heads, paths)
+        finally:
+            self._wanted.difference_update(paths)
+            self._batching = None
+            done.set()
+        if answers is None:
+            return
+        now = time.monotonic()
+        for path, head in answers.items():
+            if head is None:
+                self._misses[path] = now + self.miss_ttl
+            else:
+                self._heads[path] = (now + self.hit_ttl, head)
+        for cache in (self._misses, self._heads):
+            while len(cache) > CACHE_MAX:
+                del cache[next(iter(cache))]
+
+    def _get_heads(self, paths: list[str]) -> dict[str, PodHead | None]:
+        """Worker thread: every path's head, None where there is none; a path whose call
+        failed otherwise (a dead member, no master) is left out (a miss, not remembered)."""
+        buf = self._head_buf
+        rcs = self._client.batch_get_into(
+            [self.head_key(p) for p in paths], [buf.addr + i * HEAD_MAX for i in range(len(paths))],
+            [HEAD_MAX] * len(paths))
+        out: dict[str, PodHead | None] = {}
+        for i, (path, rc) in enumerate(zip(paths, rcs, strict=True)):
+            if rc == OBJECT_NOT_FOUND:
+                out[path] = None
+            elif rc <= 0:
+                self._count("errors")
+            else:
+                try:
+                    out[path] = decode_head(buf.mem[i * HEAD_MAX:i * HEAD_MAX + rc], path)
+                except PodObjectError as e:
+                    self._count("damaged")
+                    log.warning("pod: %s", e)
+                    out[path] = None
+        return out
+
+    # -- fetches ------------------------------------------------------------------------
+
+    async def fetch(self, head: PodHead) -> PodFile | None:
+        """The file *head* names, every record checked, or None (a miss: gone, damaged,
+        too slow, no pod)."""
+        if self._client is None or head.data_len > self.max_object:
+            return None
+        if not head.entries:
+            return PodFile(head, {})
+        timeout = self.timeout + head.data_len / FETCH_FLOOR_BPS
+        got = await self._call(self._fetch_lane, timeout, self._get_data, head)
+        if got is None:
+            self.forget(head.path)
+        return got
+
+    def _get_data(self, head: PodHead) -> PodFile | None:
+        """Worker thread: get_into our buffer, copy out, check and decode."""
+        n = head.data_len
+        rc = self._client.get_into(self.data_key(head), self._fetch_buf.addr, n)
+        if rc != n:
+            if rc != OBJECT_NOT_FOUND:
+                self._count("errors")
+            return None
+        data = self._fetch_buf.mem[:n]
+        try:
+            got = decode_data(head, data, self.codec)
+        except PodObjectError as e:
+            self._count("damaged")
+            log.warning("pod: %s", e)
+            return None
+        self._count("fetched_bytes", n)
+        return got
+
+    # -- status -------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """`kvfsctl status`'s pod section."""
+        lat = sorted(self._latencies_us)
+
+        def pct(p: float) -> int:
+            return lat[min(len(lat) - 1, int(p * len(lat)))] if lat else 0
+
+        c = self.counters
+        return {"master": self.master, "name": self.name, "member": self.member,
+                "connected": self.connected, "members": self.members,
+                "lookups": c.lookups, "hits": c.hits, "misses": c.misses,
+                "published_files": c.published_files, "published_bytes": c.published_bytes,
+                "fetched_bytes": c.fetched_bytes, "errors": c.errors, "timeouts": c.timeouts,
+                "damaged": c.damaged, "dropped": c.dropped, "queued_bytes": self.queued_bytes,
+                "lookup_p50_us": pct(0.50), "lookup_p99_us": pct(0.99)}
+
