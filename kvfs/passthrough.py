@@ -13,11 +13,11 @@ passthrough open is released.
 
 Writers too: a file created (or truncated to nothing by O_TRUNC) by an open for writing, with
 nothing else open and room to spare, is written by the kernel straight into its DRAM file
-(`ChunkStore.start_stream`). kvfs sees none of those writes; until the last writer closes,
+(`ChunkStore.start_kernel_write`). kvfs sees none of those writes; until the last writer closes,
 every open of the file reads and writes the DRAM file too (O_DIRECT ones included, so their
 alignment is not checked), its size is the DRAM file's, and an fsync takes what is there as
 the file's chunks and makes them durable. After the last writer's close the store takes the
-DRAM file's contents as the file (`take_stream`), as soon as no request waits (`run_takes`);
+DRAM file's contents as the file (`take_kernel_written`), as soon as no request waits (`run_takes`);
 until then the file is still one the kernel writes.
 
 Opens answered by the front thread (`kvfs._fuseshim`): an OPEN for reading of a file in its
@@ -55,7 +55,7 @@ import trio.testing
 
 from kvfs.config import FAST_OPEN_FILES_MAX
 from kvfs.namespace import Inode, Namespace
-from kvfs.tiering import StreamingPolicy
+from kvfs.tiering import KernelWritePolicy
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class Passthrough:
                   mapping may still write (`_end_writing`, `watch_mapped`)
         hot       the files in the front thread's table, opened least recently first
         pending_hot  of those, entered pending while a prefetch stages them -> ticket
-        stream_policy  which new files the kernel may write (tiering.StreamingPolicy)
+        kernel_write_policy  which new files the kernel may write (tiering.KernelWritePolicy)
     """
 
     def __init__(self, ns: Namespace, store, readahead, host: Host) -> None:
@@ -134,7 +134,7 @@ class Passthrough:
         self.backing: dict[int, list[int]] = {}
         self.writers: dict[int, int] = {}
         self.mapped: set[int] = set()
-        self.stream_policy = StreamingPolicy()
+        self.kernel_write_policy = KernelWritePolicy()
         self.hot: OrderedDict[int, None] = OrderedDict()
         self.hot_capacity = FAST_OPEN_FILES_MAX
         self.pending_hot: dict[int, int] = {}
@@ -170,20 +170,20 @@ class Passthrough:
         anything else, a size its chunks do not reach yet would read as zeros after a
         crash that loses DRAM."""
         if inode.ino in self.writers:
-            return self.store.stream_size(inode.ino)
+            return self.store.kernel_written_size(inode.ino)
         return inode.size
 
     def blocks(self, inode: Inode, held: int) -> int:
         """Bytes *inode* holds, for st_blocks: *held*, or what the kernel wrote if more."""
         if inode.ino in self.writers:  # what the kernel wrote may not be counted yet
-            return max(held, self.store.stream_blocks(inode.ino))
+            return max(held, self.store.kernel_written_blocks(inode.ino))
         return held
 
     async def recorded(self, node: Inode) -> None:
         """Take what the kernel wrote so far into *node*, if it writes it: a change of its
         size must start from its bytes recorded, as an fsync records them."""
         if node.ino in self.writers and node.ino not in self._finishing:
-            await self.store.take_stream(node.ino, done=False, on_commit=self.sized(node))
+            await self.store.take_kernel_written(node.ino, done=False, on_commit=self.sized(node))
 
     def sized(self, node: Inode) -> Callable[[int, bool], None]:
         """The inode update of a take of what the kernel wrote, or of a truncation to
@@ -205,7 +205,7 @@ class Passthrough:
         if ino in self.mapped:
             self.mapped.discard(ino)
             del self.writers[ino]
-            self.store.end_stream(ino)
+            self.store.end_kernel_write(ino)
 
     # -- opens -----------------------------------------------------------------------------
     def _parent(self, ino: int) -> int | None:
@@ -222,7 +222,7 @@ class Passthrough:
         writer = flags & os.O_ACCMODE != os.O_RDONLY
         if ino in self.writers:  # everything goes to the DRAM file while the kernel writes it
             return self._join_writing(node, writer)
-        if (expected := self.stream_size(node, flags, self._parent(ino))) is not None:
+        if (expected := self.kernel_write_expected(node, flags, self._parent(ino))) is not None:
             return self.start_writing(ino, expected)
         if writer:
             # An open carrying the backing id can be mmap()ed shared and writable, and such a
@@ -256,23 +256,23 @@ class Passthrough:
         """The open reply of handle *fh* carries *mode*'s backing id."""
         self.shim.mark_passthrough(fh, mode[0], mode[1])
 
-    def stream_size(self, node: Inode, flags: int, parent: int | None) -> int | None:
+    def kernel_write_expected(self, node: Inode, flags: int, parent: int | None) -> int | None:
         """Should the kernel write this open's bytes straight into the DRAM file? Only for a
         write-only open (O_RDWR files are worked on, and must stay movable while open; not
         O_DIRECT) of a file with nothing in it and nothing else open, in a directory whose
-        files have been small enough to fit (tiering.StreamingPolicy). Returns the size the
+        files have been small enough to fit (tiering.KernelWritePolicy). Returns the size the
         file is expected to reach if so, else None."""
         if (self.shim is None or flags & os.O_ACCMODE != os.O_WRONLY or flags & os.O_DIRECT
                 or node.size or node.opens or node.ino in self.backing or parent is None):
             return None
-        expected = self.stream_policy.expected(parent)
-        return expected if expected is not None and self.store.can_stream(expected) else None
+        expected = self.kernel_write_policy.expected(parent)
+        return expected if expected is not None and self.store.kernel_may_write(expected) else None
 
     def start_writing(self, ino: int, expected: int) -> Mode | None:
         """The first writer of a file the kernel writes straight into its DRAM file."""
-        backing_id = self._backing_open(self.store.start_stream(ino, expected))
+        backing_id = self._backing_open(self.store.start_kernel_write(ino, expected))
         if backing_id is None:
-            self.store.end_stream(ino)
+            self.store.end_kernel_write(ino)
             return None
         self.store.pin_passthrough(ino, 0, reads=False)
         self.backing[ino] = [backing_id, 1]
@@ -288,9 +288,9 @@ class Passthrough:
         ino = node.ino
         if flags & os.O_DIRECT or self.host.via_daemon(ino):
             return None
-        if self.store.stream_size(ino) != node.size:  # the file's size becomes its DRAM file's
+        if self.store.kernel_written_size(ino) != node.size:  # its size becomes its DRAM file's
             return None
-        if not self.store.adopt_stream(ino):
+        if not self.store.adopt_kernel_write(ino):
             return None
         self.writers[ino] = 0
         return self._join_writing(node, writer=True)
@@ -341,7 +341,7 @@ class Passthrough:
         """A writable open of *node* was closed: what size its directory's files reach."""
         parent = self._parent(node.ino)
         if parent is not None:
-            self.stream_policy.closed(parent, self.size(node))
+            self.kernel_write_policy.closed(parent, self.size(node))
 
     def _unback(self, ino: int) -> None:
         """One holder of *ino*'s backing id (a handle, or its fast-open entry) lets go."""
@@ -468,9 +468,9 @@ class Passthrough:
                 keep = (not final and ino in self.store.adopted and await self.store
                         .mapped_writable(ino, None if self.mount_dev is None
                                          else (self.mount_dev, ino)))
-                await self.store.take_stream(ino, done=not keep, on_commit=self.sized(node))
+                await self.store.take_kernel_written(ino, done=not keep, on_commit=self.sized(node))
             else:
-                self.store.end_stream(ino)
+                self.store.end_kernel_write(ino)
         finally:
             if keep:
                 self.mapped.add(ino)  # its writers count stays, at 0

@@ -497,7 +497,7 @@ class FileEvictor:
         return freed > 0
 
 
-class StreamingPolicy:
+class KernelWritePolicy:
     """Which new files the kernel may write straight into their DRAM file (passthrough).
 
     kvfs sees nothing of such a file until its writer closes it, so it cannot demote any of

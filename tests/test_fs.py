@@ -1085,7 +1085,7 @@ def _stream_opens(m) -> int:
 
 def _teach(m, directory, size: int) -> None:
     """Close one file of *size* bytes in *directory*: files there are then expected at that
-    size (tiering.StreamingPolicy), and later write-only opens stream."""
+    size (tiering.KernelWritePolicy), and later write-only opens stream."""
     (directory / "first").write_bytes(os.urandom(size))
 
 

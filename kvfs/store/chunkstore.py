@@ -143,11 +143,11 @@ class ChunkStore:
         self.pin_passthrough, self.unpin_passthrough = p.pin, p.unpin
         self.kernel = KernelWritten(self)
         k = self.kernel
-        self.streaming, self.adopted = k.files, k.adopted
-        self.can_stream, self.start_stream, self.adopt_stream, self.take_stream = (
-            k.may_start, k.start, k.adopt, k.take)
-        self.stream_size, self.stream_blocks, self.unseen_bytes, self.end_stream = (
-            k.size, k.blocks, k.unseen_bytes, k.end)
+        self.kernel_written, self.adopted = k.files, k.adopted
+        self.kernel_may_write, self.start_kernel_write = k.may_start, k.start
+        self.adopt_kernel_write, self.take_kernel_written = k.adopt, k.take
+        self.kernel_written_size, self.kernel_written_blocks = k.size, k.blocks
+        self.unseen_bytes, self.end_kernel_write = k.unseen_bytes, k.end
         self.mapped_writable, self.resized = k.mapped_writable, k.resized
         # The store's room and the DRAM tier's.
         self.room = Room(self)
@@ -321,7 +321,7 @@ class ChunkStore:
 
     # -- introspection -----------------------------------------------------------------------
     def where(self, ino: int, size: int) -> list[dict]:
-        if ino in self.streaming:
+        if ino in self.kernel_written:
             return self.kernel.where(ino, size)
         out = []
         for c in self.index.chunks_of(ino, self.nchunks(size)):
@@ -341,7 +341,7 @@ class ChunkStore:
 
     def stats(self) -> dict:
         k, m = self.counters, self.chunks
-        unseen = self.unseen_bytes() if self.streaming else 0
+        unseen = self.unseen_bytes() if self.kernel_written else 0
         segs = self.nvme.segments.values()
         return {
             "tiers": {
@@ -379,9 +379,10 @@ class ChunkStore:
             "passthrough": {"opens": k.passthrough_opens, "chunks": k.passthrough_chunks,
                             "staged_chunks": k.staged_chunks,
                             "open_files": len(self.dram.pins),
-                            "write_opens": k.stream_opens, "adopted_files": k.stream_adoptions,
+                            "write_opens": k.kernel_write_opens,
+                            "adopted_files": k.kernel_write_adoptions,
                             "written_chunks": k.streamed_chunks,
-                            "writing_files": len(self.streaming)},
+                            "writing_files": len(self.kernel_written)},
             # files whose codec was chosen by trial vs taken from their directory (choices.py)
             "codec_choices": {"full": self.choices.full, "taken": self.choices.taken},
             "prefetch": {"issued_chunks": k.prefetch_issued, "used_chunks": k.prefetch_used,

@@ -220,7 +220,7 @@ class KernelWritten:
         if self.store.dram_load > self.store.high_water:
             self.store.events.dram_filling()
         self.dram.pin(ino)
-        self.counters.stream_opens += 1
+        self.counters.kernel_write_opens += 1
         return self.dram.extend(ino, 0)
 
     def adopt(self, ino: int) -> bool:
@@ -238,7 +238,7 @@ class KernelWritten:
         self.files[ino] = 0  # nothing promised: its bytes are in DRAM already
         self.adopted.add(ino)
         self.dram.pin(ino)
-        self.counters.stream_adoptions += 1
+        self.counters.kernel_write_adoptions += 1
         return True
 
     def size(self, ino: int) -> int:

@@ -128,8 +128,8 @@ class Counters:
     passthrough_opens: int = 0  # opens the kernel serves from the DRAM file itself
     passthrough_chunks: int = 0  # ... their chunks (in chunks_from_dram, or from_nvme if:)
     staged_chunks: int = 0  # ... brought in from NVMe for such an open (stage_file)
-    stream_opens: int = 0  # new files the kernel wrote straight into their DRAM file
-    stream_adoptions: int = 0  # files in passthrough mode it went on to write (adopt_stream)
+    kernel_write_opens: int = 0  # new files the kernel wrote straight into their DRAM file
+    kernel_write_adoptions: int = 0  # files in passthrough mode it went on to write
     streamed_chunks: int = 0  # ... chunks taken from them (at close or fsync)
     unpacked: int = 0  # DRAM hits that decoded a packed copy
     read_ahead: int = 0  # NVMe chunks read ahead of a read-through reader (into memory)

@@ -192,8 +192,8 @@ class WriteBack:
                 if not self._still_dirty(job):
                     done[job.i] = False
                     continue
-                if job.mismatch and job.ino in self.store.streaming:
-                    # the kernel writes the file (an adopted one: `adopt_stream`); its next
+                if job.mismatch and job.ino in self.store.kernel_written:
+                    # the kernel writes the file (an adopted one: `adopt_kernel_write`); its next
                     # take records the bytes it holds then
                     done[job.i] = False
                     continue

@@ -251,7 +251,7 @@ class Kvfs:
 
     def sized(self, ino: int) -> Callable[[int, bool], None]:
         """The inode update that rides along the store's take of what the kernel wrote into
-        *ino*'s DRAM file (`ChunkStore.take_stream`'s on_commit; kvfs.fs makes the same)."""
+        *ino*'s DRAM file (`ChunkStore.take_kernel_written`'s on_commit; kvfs.fs makes the same)."""
         def update(size: int, holes: bool) -> None:
             node = self.ns.get(ino)
             node.resize(size, holes=holes)

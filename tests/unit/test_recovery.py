@@ -210,9 +210,9 @@ async def test_a_file_the_kernel_was_writing_keeps_what_was_there(tiers, dram):
     async def write(kv) -> None:
         await kv.release(await kv.create("s"))
         ino = await kv.lookup("s")
-        fd = kv.store.start_stream(ino, 4 * CHUNK)
+        fd = kv.store.start_kernel_write(ino, 4 * CHUNK)
         os.pwrite(fd, synced, 0)
-        await kv.store.take_stream(ino, done=False, on_commit=kv.sized(ino))
+        await kv.store.take_kernel_written(ino, done=False, on_commit=kv.sized(ino))
         await kv.store.fsync(ino, len(synced))
         os.pwrite(fd, later, CHUNK + 100)
 

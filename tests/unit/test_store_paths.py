@@ -180,16 +180,16 @@ async def test_what_the_kernel_writes_into_a_dram_file_is_taken_as_the_file(tier
     async with tiers.mount(prefetch=False) as kv:
         await kv.release(await kv.create("s"))
         ino = await kv.lookup("s")
-        fd = kv.store.start_stream(ino, 4 * CHUNK)
+        fd = kv.store.start_kernel_write(ino, 4 * CHUNK)
         first = os.urandom(2 * CHUNK + 10)
         os.pwrite(fd, first, 0)
-        assert await kv.store.take_stream(ino, done=False, on_commit=kv.sized(ino)) == \
+        assert await kv.store.take_kernel_written(ino, done=False, on_commit=kv.sized(ino)) == \
             len(first)
         await kv.store.fsync(ino, len(first))
         assert [c["dirty"] for c in await kv.where("s")] == [False, False, False]
         rest = os.urandom(CHUNK)
         os.pwrite(fd, rest, 4 * CHUNK)  # a hole at chunk 3 (chunk 2 still ends at 10)
-        size = await kv.store.take_stream(ino, done=True, on_commit=kv.sized(ino))
+        size = await kv.store.take_kernel_written(ino, done=True, on_commit=kv.sized(ino))
         assert size == 5 * CHUNK and await kv.size("s") == size
         assert [c["chunk"] for c in await kv.where("s")] == [0, 1, 2, 4]
         assert await kv.read_file("s") == first + bytes(2 * CHUNK - 10) + rest
