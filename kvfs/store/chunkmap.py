@@ -49,6 +49,10 @@ class ChunkMap:
         self.dirty_since: dict[tuple[int, int], float] = {}
         self.file_bytes: dict[int, int] = {}
         self.allocated: dict[int, int] = {}  # fallocate()d bytes per file
+        # ... and the hole ranges it covered, per chunk (a hull: [lo, hi)), so that a range
+        # reserved again takes nothing more. In memory: a remount forgets them (a repeated
+        # fallocate then reserves again), and any shrinking of the allocation drops them.
+        self.allocated_holes: dict[int, dict[int, tuple[int, int]]] = {}
         self.reserved = 0  # sum of reservation(ino): promised room not yet written
         # Chunks written over in DRAM -> the NVMe-only location of their last written-back
         # bytes, until the new ones are written back (`shadow`).
@@ -200,7 +204,13 @@ class ChunkMap:
         """What the file occupies for st_blocks: stored bytes, or its allocation if larger."""
         return max(self.file_bytes.get(ino, 0), self.allocated.get(ino, 0))
 
-    def set_allocated(self, ino: int, value: int) -> None:
+    def set_allocated(self, ino: int, value: int, holes: dict | None = None) -> None:
+        """The file may occupy *value* bytes; *holes*: the hole ranges that fallocate
+        reserved are these now (None: forget them, the allocation shrank or went)."""
+        if holes is None:
+            self.allocated_holes.pop(ino, None)
+        else:
+            self.allocated_holes[ino] = holes
         before = self.reservation(ino)
         if value:
             self.allocated[ino] = value

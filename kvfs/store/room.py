@@ -73,17 +73,26 @@ class Room:
         """fallocate(mode 0): reserve room for the holes in [offset, offset+length) so that
         writes there cannot fail with ENOSPC. Raises NoSpace if it does not fit."""
         cs = self.cs
+        holes = dict(self.chunks.allocated_holes.get(ino, {}))
         missing = 0
         for c in range(offset // cs, (offset + length + cs - 1) // cs):
             if self.chunks.index.get(ino, c) is None:
-                missing += min(offset + length, (c + 1) * cs) - max(offset, c * cs)
+                lo = max(offset, c * cs) - c * cs
+                hi = min(offset + length, (c + 1) * cs) - c * cs
+                had = holes.get(c)
+                if had is not None:  # reserved before: only what the hull grows by
+                    missing -= had[1] - had[0]
+                    lo, hi = min(lo, had[0]), max(hi, had[1])
+                missing += hi - lo
+                holes[c] = (lo, hi)
         if not missing:
             return
         missing = pages(missing)
         if self.used + missing > self.capacity:
             raise NoSpace()
         self.chunks.set_allocated(ino, max(self.chunks.allocated.get(ino, 0),
-                                     self.chunks.file_bytes.get(ino, 0)) + missing)
+                                           self.chunks.file_bytes.get(ino, 0)) + missing,
+                                  holes)
 
     def notify_space(self) -> None:
         self._space.set()
