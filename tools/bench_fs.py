@@ -918,7 +918,7 @@ def read_facts(m: KvfsMount, before: dict, extra: dict) -> None:
     extra["read_chunks"] = {
         k: after["reads"].get(k, 0) - before["reads"].get(k, 0)
         for k in ("chunks_from_dram", "chunks_from_nvme", "checksum_errors",
-                  "read_ahead_front_reads")}
+                  "read_through_front_reads")}
     extra["read_chunks"]["promotions"] = (after["moves"]["promotions"]
                                           - before["moves"]["promotions"])
     nbad, first = m.log_problems()
@@ -1289,8 +1289,8 @@ def placement_note(r: dict) -> str:
         rc = r["read_chunks"]
         line += (f"; reads served {rc['chunks_from_dram']} chunks from DRAM, "
                  f"{rc['chunks_from_nvme']} from NVMe, {rc['promotions']} promoted")
-        if rc.get("read_ahead_front_reads"):
-            line += (f", {rc['read_ahead_front_reads']} READs answered by the front thread "
+        if rc.get("read_through_front_reads"):
+            line += (f", {rc['read_through_front_reads']} READs answered by the front thread "
                      f"from chunks read ahead")
     if "drain_s" in r:
         line += f"; unmount write-back {r['drain_s']:.1f} s"

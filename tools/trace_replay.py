@@ -452,7 +452,7 @@ def _summarize(run: Run) -> dict:
                 "hit_p50_us": _r(pct(run.lat_hit, 0.5), us),
                 "hit_p99_us": _r(pct(run.lat_hit, 0.99), us), "hit_samples": len(run.lat_hit)}
     rd = {k: a["reads"][k] - b["reads"].get(k, 0)
-          for k in ("chunks_from_dram", "chunks_from_nvme", "read_ahead_used_chunks")}
+          for k in ("chunks_from_dram", "chunks_from_nvme", "read_through_buffer_used_chunks")}
     pf = {k: a["prefetch"][k] - b["prefetch"].get(k, 0)
           for k in ("issued_chunks", "used_chunks", "late_chunks", "wasted_chunks")}
     total = rd["chunks_from_dram"] + rd["chunks_from_nvme"]
@@ -464,7 +464,7 @@ def _summarize(run: Run) -> dict:
         "on_time_rate": (rd["chunks_from_dram"] - pf["late_chunks"]) / total if total else None,
         # NVMe reads answered from the daemon's read-ahead memory (files read through, i.e.
         # at least -o read_through_min long): read before they were asked for, not from DRAM
-        "read_ahead_rate": rd["read_ahead_used_chunks"] / total if total else None,
+        "through_buffer_rate": rd["read_through_buffer_used_chunks"] / total if total else None,
         "prefetch_issued": pf["issued_chunks"], "prefetch_used": pf["used_chunks"],
         "prefetch_late": pf["late_chunks"], "prefetch_wasted": pf["wasted_chunks"],
         "prefetch_unread_at_end": a["prefetch"].get("resident_unread_chunks", 0),
@@ -535,7 +535,7 @@ def print_table(meta: dict, runs: list[dict], lru: float, opt: float) -> None:
         name = f"kvfs prediction {s['mode']}"
         wasted = format_size(s["wasted_bytes"]) if s["prefetch_issued"] else "-"
         print(f"{name:22} {_p(s['dram_hit_rate']):>8} {_p(s['on_time_rate']):>8} "
-              f"{_p(s['read_ahead_rate']):>7} {_p(s['accuracy']):>8} {wasted:>10} "
+              f"{_p(s['through_buffer_rate']):>7} {_p(s['accuracy']):>8} {wasted:>10} "
               f"{_n(s['p50_us']):>7} {_n(s['p99_us']):>7} {_n(s['hit_p50_us']):>7} "
               f"{ratio:>10} {s['seconds']:>6}")
     print(f"{'offline LRU':22} {_p(lru):>8}")

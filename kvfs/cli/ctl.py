@@ -97,10 +97,10 @@ def print_status(st: dict) -> None:
               f"{pt.get('fast_opens', 0)} of them answered by the front thread "
               f"({pt.get('fast_open_files', 0)} files ready for it; "
               f"{pt.get('fast_open_parked', 0)} opens waited there for a prefetch)")
-    if r.get("read_ahead_chunks"):
-        print(f"read-through files: {r['read_ahead_chunks']} NVMe chunks read ahead into "
-              f"memory, {r.get('read_ahead_used_chunks', 0)} of them read; "
-              f"{r.get('read_ahead_front_reads', 0)} READs answered from them by the front "
+    if r.get("read_through_buffered_chunks"):
+        print(f"read-through files: {r['read_through_buffered_chunks']} NVMe chunks read "
+              f"ahead into memory, {r.get('read_through_buffer_used_chunks', 0)} of them read; "
+              f"{r.get('read_through_front_reads', 0)} READs answered from them by the front "
               f"thread")
     pf = st.get("prefetch")
     if pf:

@@ -340,7 +340,7 @@ class Readahead:
             n += 1
             r.window[key] = r.pos
             if self.store.reads_through(key[0]):  # read ahead into memory, not DRAM
-                self.store.read_ahead_predicted(*key)
+                self.store.buffer_predicted(*key)
             else:
                 self.sched.want(key, r, now + n * gap, kind)
 

@@ -125,7 +125,7 @@ class ChunkStore:
         self.through = ReadThrough(self, chunk_size=chunk_size, dram_size=dram_size,
                                    read_through_min=read_through_min)
         t = self.through
-        self.reads_through, self.start_read_through, self.read_ahead_predicted = (
+        self.reads_through, self.start_read_through, self.buffer_predicted = (
             t.reads, t.start, t.predicted)
         self.front_read, self.end_read_through = t.front_read, t.end
         # Dirty chunks written back to NVMe (demotion, age, fsync, unmount).
@@ -365,10 +365,10 @@ class ChunkStore:
                       "dram_checked_chunks": k.dram_checks,
                       # read-through files (-o read_through_min): NVMe chunks read ahead of
                       # their reader into the daemon's memory, and how many it then read
-                      "read_ahead_chunks": k.read_ahead,
-                      "read_ahead_used_chunks": k.read_ahead_used,
+                      "read_through_buffered_chunks": k.through_buffered,
+                      "read_through_buffer_used_chunks": k.through_buffer_used,
                       # ... READs answered from them by the front thread (kvfs._fuseshim)
-                      "read_ahead_front_reads": k.front_reads,
+                      "read_through_front_reads": k.front_reads,
                       "latency_us_log2_histogram": list(k.read_latency_us),
                       "dram_latency_us_log2_histogram": list(k.read_latency_dram_us),
                       "nvme_latency_us_log2_histogram": list(k.read_latency_nvme_us)},

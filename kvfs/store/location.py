@@ -132,8 +132,8 @@ class Counters:
     kernel_write_adoptions: int = 0  # files in passthrough mode it went on to write
     streamed_chunks: int = 0  # ... chunks taken from them (at close or fsync)
     unpacked: int = 0  # DRAM hits that decoded a packed copy
-    read_ahead: int = 0  # NVMe chunks read ahead of a read-through reader (into memory)
-    read_ahead_used: int = 0  # ... and then read by it (in chunks_from_nvme)
+    through_buffered: int = 0  # NVMe chunks read ahead of a read-through reader (into memory)
+    through_buffer_used: int = 0  # ... and then read by it (in chunks_from_nvme)
     front_reads: int = 0  # READs the front thread answered from chunks read ahead
 
     def count_read(self, tier: str, first_byte: bool) -> None:

@@ -1,6 +1,6 @@
 """Read-through: big NVMe-resident files read through the daemon, chunks read ahead of a
-sequential reader into the daemon's memory (not the DRAM tier), and promoted only when read
-again.
+sequential reader into the daemon's memory (its read-through buffer; not the DRAM tier,
+which kvfs/readahead's prefetches fill), and promoted only when read again.
 
 A reader of a file at least `read_through_min` long (an option) is not staged: staging such
 a file costs fresh tmpfs pages and a second copy for every byte, and the reader waits for
@@ -138,7 +138,7 @@ class ReadThrough:
         if start + length >= loc.raw_len or data is None:
             self.drop(key, ahead)  # the reader is done with it, or failed
         if data is not None:
-            self.store.counters.read_ahead_used += start + length >= loc.raw_len
+            self.store.counters.through_buffer_used += start + length >= loc.raw_len
         return data
 
     def reads(self, ino: int, size: int | None = None) -> bool:
@@ -199,8 +199,8 @@ class ReadThrough:
     def _start(self, key: tuple[int, int], loc: Loc) -> None:
         ahead = self._ahead[key] = _Ahead(loc)
         self._ahead_bytes += loc.raw_len
-        self.store.counters.read_ahead += 1
-        self.spawn(self._background, "read-ahead", partial(self._read_ahead, key, ahead))
+        self.store.counters.through_buffered += 1
+        self.spawn(self._background, "read-through buffer", partial(self._buffer_ahead, key, ahead))
 
     def _evict(self, ino: int, older_than: float | None = None) -> bool:
         """Make room for one more read-ahead chunk of *ino* by dropping the oldest ready
@@ -214,7 +214,7 @@ class ReadThrough:
                 return True
         return False
 
-    async def _read_ahead(self, key: tuple[int, int], ahead: _Ahead) -> None:
+    async def _buffer_ahead(self, key: tuple[int, int], ahead: _Ahead) -> None:
         if ahead.loc.codec == CODEC_RAW:  # read and kept in a buffer of its own: no copy
             ahead.buf = (self._ahead_buffers.pop() if self._ahead_buffers
                          else mmap.mmap(-1, self.cs + BLOCK))
@@ -248,7 +248,7 @@ class ReadThrough:
                 continue
             if min(off + size, (c + 1) * cs) - c * cs >= ahead.loc.raw_len:
                 ahead.served = False  # the front thread dropped it: read to its end
-                self.store.counters.read_ahead_used += 1
+                self.store.counters.through_buffer_used += 1
                 self.done(ino, c, ahead.loc, ahead.data)
                 self.drop((ino, c), ahead)
 

@@ -58,7 +58,7 @@ class FakeStore:
     def reads_through(self, ino, size=None):
         return ino in self.through
 
-    def read_ahead_predicted(self, ino, c):
+    def buffer_predicted(self, ino, c):
         self.read_ahead.append((ino, c))
 
     def get(self, ino, c):

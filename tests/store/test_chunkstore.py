@@ -142,14 +142,14 @@ def test_big_files_are_read_through_with_read_ahead(mount_factory):
     with open(m.path / "big", "rb", buffering=0) as f:
         head = f.read(CHUNK)
         # The chunks read ahead meanwhile are the front thread's to answer from.
-        _wait(lambda: m.status()["reads"]["read_ahead_used_chunks"] >= 1
-              and m.status()["reads"]["read_ahead_chunks"] >= 30)
+        _wait(lambda: m.status()["reads"]["read_through_buffer_used_chunks"] >= 1
+              and m.status()["reads"]["read_through_buffered_chunks"] >= 30)
         time.sleep(0.2)
         assert head + f.read() == big
     st = m.status()
-    assert st["reads"]["read_ahead_chunks"] >= 30
-    assert st["reads"]["read_ahead_used_chunks"] >= 30
-    assert st["reads"]["read_ahead_front_reads"] > 0  # answered without the trio thread
+    assert st["reads"]["read_through_buffered_chunks"] >= 30
+    assert st["reads"]["read_through_buffer_used_chunks"] >= 30
+    assert st["reads"]["read_through_front_reads"] > 0  # answered without the trio thread
     # (a chunk counts once per request that reads part of it)
     assert st["reads"]["chunks_from_nvme"] - before["reads"]["chunks_from_nvme"] >= 41
     assert m.tiers("big") == {"nvme"}  # neither staged nor promoted
@@ -257,7 +257,7 @@ def test_reads_answered_from_read_ahead_never_return_bytes_older_than_a_finished
 
     race((write, read, read), 4, stop)
     assert not errors, errors[:3]
-    assert m.status()["reads"]["read_ahead_front_reads"] > 0
+    assert m.status()["reads"]["read_through_front_reads"] > 0
     m.unmount()
     assert m.fsck().returncode == 0
 
@@ -292,7 +292,7 @@ def test_read_through_files_read_by_several_readers_and_mapped(mount_factory, ra
 
     race((read, read, read, mapped), 3, stop)
     assert not errors, errors[:3]
-    assert m.status()["reads"]["read_ahead_front_reads"] > 0
+    assert m.status()["reads"]["read_through_front_reads"] > 0
 
 
 def test_the_predicted_next_read_through_file_is_read_ahead(mount_factory):
@@ -308,12 +308,13 @@ def test_the_predicted_next_read_through_file_is_read_ahead(mount_factory):
     m.start()
     with open(m.path / "blk0", "rb", buffering=0) as f:
         assert f.read(CHUNK) == files["blk0"][:CHUNK]
-        _wait(lambda: m.status()["reads"]["read_ahead_chunks"] > 12)  # blk1's too
+        _wait(lambda: m.status()["reads"]["read_through_buffered_chunks"] > 12)  # blk1's too
         assert f.read() == files["blk0"][CHUNK:]
     before = m.status()["reads"]
     assert (m.path / "blk1").read_bytes() == files["blk1"]
     after = m.status()["reads"]
-    assert after["read_ahead_used_chunks"] - before["read_ahead_used_chunks"] == 12
+    used = "read_through_buffer_used_chunks"
+    assert after[used] - before[used] == 12
     assert (m.path / "blk2").read_bytes() == files["blk2"]
 
 

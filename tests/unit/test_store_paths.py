@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import os
 
-import pytest
 import trio
 
 from kvfs.fs import FALLOC_FL_KEEP_SIZE
@@ -134,7 +133,8 @@ async def test_big_files_are_read_through_ahead_of_the_reader(tiers):
         await kv.release(fh)
         assert got == data
         reads = (await kv.status())["reads"]
-        assert reads["read_ahead_chunks"] > 0 and reads["read_ahead_used_chunks"] > 0
+        assert reads["read_through_buffered_chunks"] > 0
+        assert reads["read_through_buffer_used_chunks"] > 0
         assert reads["chunks_from_nvme"] == 16
         assert await kv.tiers("big") == {"nvme"}  # nothing staged by the first read
         assert await kv.read_file("big") == data
