@@ -412,7 +412,7 @@ class Demoter:
         tier drop a copy per staged chunk, and a commit each was a tenth of the trio thread.
         A dirty victim met after them is the next step's first."""
         s = self.store
-        with s.meta.write():
+        with s.batch():
             for _ in range(self.CLEAN_RUN):
                 s.drop_dram_copy(key)
                 if not s.dram_load - self._leaving > mark * s.dram.capacity:

@@ -293,6 +293,11 @@ class ChunkStore:
             sums.append(hash_bytes(view))
         return sums
 
+    def batch(self):
+        """One commit for the changes made inside it (a context manager; no await inside):
+        the demoter drops a run of clean copies at the cost of one."""
+        return self.meta.write()
+
     def drop_dram_copy(self, key: tuple[int, int]) -> None:
         """Free the DRAM copy of a chunk that is safely on NVMe (not of a file open in
         passthrough mode: the kernel reads its DRAM file)."""
