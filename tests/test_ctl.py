@@ -91,7 +91,8 @@ def test_ctl_on_a_dead_mount_says_so(kv):
     (kv.path / "f").write_bytes(b"f")
     pid = kv.pid()
     os.kill(pid, signal.SIGKILL)
-    for args in (["where", kv.path / "f"], ["status", kv.path]):
+    for args in (["where", kv.path / "f"], ["status", kv.path], ["pin", kv.path / "f"],
+                 ["demote", "-r", kv.path], ["scrub", kv.path]):
         for _ in range(100):  # (until the kernel has seen the daemon go)
             r = ctl(*args, check=False)
             if r.returncode:
