@@ -411,3 +411,17 @@ def test_scrub_finds_damage_on_every_tier_and_repairs_what_it_can(kv):
     code, out = _scrub(kv)
     assert _damage_of(out) == {("f0", 0, "none", None)}
     assert "Traceback" not in kv.log()
+
+
+def test_cache_mode_eviction_spares_pinned_files(mount_factory):
+    """A cache-mode mount removes cold whole files when full, but never a pinned one (the
+    coldest file here, else the first to go)."""
+    m = mount_factory(dram_size="4M", nvme_size="24M", segment_size="1M", cache_mode="1")
+    keep = os.urandom(512 << 10)
+    (m.path / "f0").write_bytes(keep)
+    ctl("pin", m.path / "f0")
+    for i in range(1, 100):
+        (m.path / f"f{i}").write_bytes(os.urandom(512 << 10))
+    assert m.status()["evictions"]["files"] > 0
+    assert not (m.path / "f1").exists()
+    assert (m.path / "f0").read_bytes() == keep
