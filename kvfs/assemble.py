@@ -99,14 +99,15 @@ class Assembly:
             io_threads=s.io_threads, policy=self.policy, dram_compress=s.dram_compress,
             dram_verify=s.dram_verify, read_through_min=s.read_through_min,
             dram_open_files=dram_open_files, faults=self.faults, events=_Events(self))
-        self.ns = Namespace(self.meta)
-        pins = self.ns.hinted(PIN_XATTR)  # files an operator pinned (kvfsctl pin)
+        # (pins: the pinned files, below, once the namespace is loaded)
         self.policy.pinned = lambda key: key[0] in self.store.dram.pins or key[0] in pins
+        self.ns = Namespace(self.meta)
         for ino, (size, holes) in self.store.recovered_sizes.items():
             inode = self.ns.inodes.get(ino)
             if inode is not None:  # a file written straight into DRAM when the daemon stopped
                 inode.resize(size, holes=holes)
                 self.ns.save(inode)
+        pins = self.ns.hinted(PIN_XATTR)  # files an operator pinned (kvfsctl pin)
         self.evictor = None
         extra = []
         self.store.prefetch_limiter.total_tokens = s.prefetch_concurrency
