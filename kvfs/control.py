@@ -215,11 +215,13 @@ class Control:
             size = self.ns.get(ino).size
             keys = [(ino, c) for c in store.index.chunks_of(ino, store.nchunks(size))
                     if store.get(ino, c).dram_slot >= 0]
-            if not keys or ino in store.dram.pins:
+            if not keys:
                 break
             dirty = [key for key in keys if not store.is_clean(key)]
             for batch in store.writeback_batches(dirty):
                 await store.writeback_many(batch, drop=True)
+            if ino in store.dram.pins:
+                break  # written back; the kernel reads the DRAM copies: they stay
             with store.meta.write():
                 for key in keys:
                     loc = store.get(*key)

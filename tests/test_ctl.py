@@ -426,3 +426,21 @@ def test_cache_mode_eviction_spares_pinned_files(mount_factory):
     assert m.status()["evictions"]["files"] > 0
     assert not (m.path / "f1").exists()
     assert (m.path / "f0").read_bytes() == keep
+
+
+def test_demote_of_a_file_the_kernel_reads_from_dram_is_busy(kv):
+    """An open in passthrough mode reads the file's DRAM copy in the kernel: demote writes
+    its chunks back but cannot drop them (EBUSY, one line); after the close it can."""
+    data = os.urandom(3 * CHUNK)
+    (kv.path / "f").write_bytes(data)
+    with open(kv.path / "f", "rb") as f:
+        if kv.status()["passthrough"]["open_files"] != 1:
+            pytest.skip("no FUSE passthrough on this kernel")
+        r = ctl("demote", kv.path / "f", check=False)
+        assert (r.returncode, r.stderr) == (
+            1, f"kvfsctl: {kv.path / 'f'}: in use: the kernel reads or writes its DRAM copy "
+               f"itself (passthrough); try again once it is closed\n")
+        assert all(c["tiers"] == ["dram", "nvme"] for c in kv.where("f"))  # written back
+        assert f.read() == data
+    ctl("demote", kv.path / "f")
+    assert kv.tiers("f") == {"nvme"}
