@@ -16,7 +16,7 @@ from kvfs.config import ConfigError, Settings
 from kvfs.control import Control
 from kvfs.faults import Faults
 from kvfs.fs import Operations
-from kvfs.namespace import Namespace
+from kvfs.namespace import PIN_XATTR, Namespace
 from kvfs.readahead import Readahead
 from kvfs.store.chunkstore import ChunkStore
 from kvfs.store.codec import Codec, CodecPolicy
@@ -99,13 +99,15 @@ class Assembly:
             io_threads=s.io_threads, policy=self.policy, dram_compress=s.dram_compress,
             dram_verify=s.dram_verify, read_through_min=s.read_through_min,
             dram_open_files=dram_open_files, faults=self.faults, events=_Events(self))
-        self.policy.pinned = lambda key: key[0] in self.store.dram.pins
+        # (pins: the pinned files, below, once the namespace is loaded)
+        self.policy.pinned = lambda key: key[0] in self.store.dram.pins or key[0] in pins
         self.ns = Namespace(self.meta)
         for ino, (size, holes) in self.store.recovered_sizes.items():
             inode = self.ns.inodes.get(ino)
             if inode is not None:  # a file written straight into DRAM when the daemon stopped
                 inode.resize(size, holes=holes)
                 self.ns.save(inode)
+        pins = self.ns.hinted(PIN_XATTR)  # files an operator pinned (kvfsctl pin)
         self.evictor = None
         extra = []
         self.store.prefetch_limiter.total_tokens = s.prefetch_concurrency
@@ -121,6 +123,7 @@ class Assembly:
         if s.cache_mode:
             self.evictor = FileEvictor(self.ops.remove_file, self.store.file_bytes)
             self.ops.evictor = self.evictor
+            self.evictor.pinned = pins.__contains__
             files = sorted((i for i in self.ns.inodes.values() if i.is_reg and i.nlink),
                            key=lambda i: i.mtime_ns)
             for inode in files:
@@ -198,6 +201,7 @@ class Assembly:
         nursery.start_soon(self.store.run_disposals)
         nursery.start_soon(self.ops.pt.run_takes)
         nursery.start_soon(self.ops.pt.watch_mapped)
+        nursery.start_soon(self.control.stage_pinned)  # pinned files back in DRAM
 
     async def finish(self) -> None:
         """An unmount, once no request can come any more: the files the kernel wrote are

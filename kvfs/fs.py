@@ -681,7 +681,8 @@ class Operations(pyfuse3.Operations):
     @_errors
     async def setxattr(self, inode, name, value, ctx):
         if self.control.handles(name):
-            self.control.set(inode, name[len(CONTROL_PREFIX):], value)
+            await self.pt.finish_takes()  # a file the kernel wrote is the store's by then
+            await self.control.set(inode, name[len(CONTROL_PREFIX):], value, ctx.uid)
             return
         self._check_xattr_name(name)
         if len(value) > XATTR_SIZE_MAX:
@@ -693,7 +694,7 @@ class Operations(pyfuse3.Operations):
     async def getxattr(self, inode, name, ctx):
         if self.control.handles(name):
             await self.pt.finish_takes()  # `where` and `status` count closed files as taken
-            return self.control.get(inode, name[len(CONTROL_PREFIX):], ctx.uid)
+            return await self.control.get(inode, name[len(CONTROL_PREFIX):], ctx.uid)
         self.ns.get(inode)
         self._check_xattr_name(name)
         value = self.ns.getxattr(inode, name)
@@ -708,6 +709,9 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def removexattr(self, inode, name, ctx):
+        if self.control.handles(name):
+            self.control.remove(inode, name[len(CONTROL_PREFIX):], ctx.uid)
+            return
         self._check_xattr_name(name)
         self.ns.removexattr(inode, name)
 

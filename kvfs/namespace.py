@@ -101,8 +101,10 @@ def check_name(name: bytes) -> None:
         raise NamespaceError(errno.EINVAL)
 
 
-# xattrs that are policy hints (store/codec and store/streams read them on every writeback)
-HINT_XATTRS = frozenset((b"user.kvfs.dtype", b"user.kvfs.lifetime"))
+# xattrs that are policy hints (store/codec and store/streams read them on every writeback;
+# tiering asks about pins, kvfs/control.py, for every chunk it would demote)
+PIN_XATTR = b"user.kvfs.pin"
+HINT_XATTRS = frozenset((b"user.kvfs.dtype", b"user.kvfs.lifetime", PIN_XATTR))
 
 
 class Namespace:
@@ -248,6 +250,11 @@ class Namespace:
             if value is not None:
                 return value
         return None
+
+    def hinted(self, name: bytes) -> dict[int, bytes]:
+        """The inodes that have hint xattr *name* (one of HINT_XATTRS) -> its value; kept
+        as they change (do not change it)."""
+        return self._hints[name]
 
     def entries(self, ino: int) -> list[tuple[bytes, int]]:
         d = self.dirs.get(ino)

@@ -30,6 +30,9 @@ Key = tuple[int, int]
 PROTECTED_SHARE = 0.8
 # When every DRAM chunk is one readahead wants, the demoter compares this many of the coldest.
 KEPT_SCAN = 256
+# Files an operator pins (kvfsctl pin) may hold at most this share of the DRAM tier, so
+# that writes always find room to land in (passthrough pins have a share of their own).
+PIN_SHARE = 0.5
 # A search for victims looks at most at this many keys in one trio step (~0.2 ms) before it
 # lets FUSE requests in: pinned, kept and leaving keys at the cold end may be many.
 SCAN_STEP = 512
@@ -170,7 +173,7 @@ class DramPolicy:
         # only kept keys are left, the one wanted last goes first.
         self.deadline: Callable[[Key], float | None] = _never
         # pinned(key): the chunk's file is open in passthrough mode (the kernel reads its DRAM
-        # file): never a victim while it is.
+        # file), or an operator pinned it (kvfsctl pin): never a victim while it is.
         self.pinned: Callable[[Key], bool] = _no
         self.cheap: Callable[[Key], bool] = _no
         # unpredicted(key): a demand read that no prediction saw coming is bringing this chunk
@@ -469,6 +472,8 @@ class FileEvictor:
         # Least recently opened first. A KeyQueue, so that an eviction walks from the cold
         # end only as far as it evicts (it copied the whole list of files each time).
         self.lru = KeyQueue()
+        # pinned(ino): an operator pinned the file (kvfsctl pin): it stays until unpinned.
+        self.pinned: Callable[[int], bool] = _no
         self.evicted_files = 0
         self.evicted_bytes = 0
         self.examined = 0  # files evictions looked at (status: evictions.examined_files)
@@ -487,7 +492,8 @@ class FileEvictor:
             while freed < need and (ino := self.lru.step(spot)) is not None:
                 self.examined += 1
                 size = self.file_bytes.get(ino, 0)
-                if self.remove_file(ino):  # False for open files: they stay candidates
+                # remove_file is False for open files: they stay candidates
+                if not self.pinned(ino) and self.remove_file(ino):
                     self.lru.discard(ino)
                     self.evicted_files += 1
                     self.evicted_bytes += size

@@ -3,12 +3,20 @@ a mount whose daemon is gone."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvfs.cli.ctl import main as ctl_main
+from kvfs.store.nvme import BLOCK, HEADER_SIZE, RecordError, unpack_header
 
 KVFSCTL = [sys.executable, "-m", "kvfs.cli.ctl"]
 CHUNK = 64 << 10  # conftest.SMALL
@@ -83,7 +91,8 @@ def test_ctl_on_a_dead_mount_says_so(kv):
     (kv.path / "f").write_bytes(b"f")
     pid = kv.pid()
     os.kill(pid, signal.SIGKILL)
-    for args in (["where", kv.path / "f"], ["status", kv.path]):
+    for args in (["where", kv.path / "f"], ["status", kv.path], ["pin", kv.path / "f"],
+                 ["demote", "-r", kv.path], ["scrub", kv.path]):
         for _ in range(100):  # (until the kernel has seen the daemon go)
             r = ctl(*args, check=False)
             if r.returncode:
@@ -173,3 +182,265 @@ def test_read_counters_count_chunks_and_requests(mount_factory):
     assert "(DRAM hit rate 0.0% of chunks read)" in text
     assert (f"READ requests served by the daemon, per chunk they touched: "
             f"{after['requests_from_dram']} from DRAM, 2 from NVMe") in text
+
+
+def _wait(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def _pinned(path) -> bool:
+    try:
+        return os.getxattr(path, "user.kvfs.pin") == b"1"
+    except OSError as exc:
+        assert exc.errno == errno.ENODATA
+        return False
+
+
+def test_pin_keeps_a_file_in_dram_across_demotion_and_remounts(kv):
+    """A pinned file is staged from NVMe, stays in DRAM while other writes push everything
+    else out, refuses demotion, is pinned (and staged) again after a remount that lost
+    DRAM; unpinned, it demotes. A pin past the tier's share is ENOSPC and pins nothing."""
+    hot = os.urandom(16 * CHUNK)  # 1 MiB of the 4 MiB tier (pins may hold 2 MiB)
+    (kv.path / "hot").write_bytes(hot)
+    (kv.path / "big").write_bytes(os.urandom(40 * CHUNK))
+    kv.unmount()
+    kv.lose_dram()
+    kv.start()
+    assert kv.tiers("hot") == {"nvme"}
+    ctl("pin", kv.path / "hot")
+    assert _pinned(kv.path / "hot") and not _pinned(kv.path / "big")
+    assert all(c["tiers"] == ["dram", "nvme"] for c in kv.where("hot"))
+    demoted = kv.status()["moves"]["demotions"]
+    for i in range(4):  # 8 MiB through a 4 MiB tier
+        (kv.path / f"other{i}").write_bytes(os.urandom(32 * CHUNK))
+    _wait(lambda: kv.status()["moves"]["demotions"] >= demoted + 64)  # others went
+    assert all("dram" in c["tiers"] for c in kv.where("hot"))
+    dram = kv.status()["tiers"]["dram"]
+    assert (dram["pinned_files"], dram["pinned_bytes"], dram["pin_limit_bytes"]) == (
+        1, 16 * CHUNK, 2 << 20)
+    r = ctl("demote", kv.path / "hot", check=False)
+    assert r.returncode == 1
+    assert r.stderr == (f"kvfsctl: {kv.path / 'hot'}: pinned: `kvfsctl unpin` it first to "
+                        f"demote it\n")
+
+    r = ctl("pin", kv.path / "big", check=False)  # 2.5 MiB: more than the 1 MiB left
+    assert r.returncode == 1
+    assert r.stderr == (f"kvfsctl: {kv.path / 'big'}: does not fit: pinned files may hold "
+                        f"2.0 MiB of DRAM, 1.0 MiB is pinned, this file is 2.5 MiB\n")
+    assert not _pinned(kv.path / "big")
+
+    kv.unmount()
+    kv.lose_dram()
+    kv.start()
+    assert _pinned(kv.path / "hot")
+    _wait(lambda: all("dram" in c["tiers"] for c in kv.where("hot")))  # staged at mount
+    assert (kv.path / "hot").read_bytes() == hot
+
+    ctl("unpin", kv.path / "hot")
+    ctl("unpin", kv.path / "hot")  # not pinned: nothing to do
+    assert not _pinned(kv.path / "hot")
+    ctl("demote", kv.path / "hot")
+    assert kv.tiers("hot") == {"nvme"}
+    assert (kv.path / "hot").read_bytes() == hot
+
+    ctl("pin", kv.path / "hot")
+    os.unlink(kv.path / "hot")
+    _wait(lambda: kv.status()["tiers"]["dram"]["pinned_files"] == 0)
+
+
+def test_demote_and_evict_directories(kv):
+    """demote and evict -r: dirty chunks written back, every DRAM copy dropped, the bytes
+    the same."""
+    chunks = _tree(kv.path)
+    data = {n: (kv.path / n).read_bytes() for n in chunks}
+    assert kv.tiers("d/a") == {"dram"}
+    ctl("demote", kv.path / "d")  # one level: d/a
+    assert kv.tiers("d/a") == {"nvme"} and kv.tiers("d/sub/b") == {"dram"}
+    ctl("evict", "-r", kv.path)
+    for n in chunks:
+        assert kv.tiers(n) == {"nvme"}, n
+    kv.unmount()
+    kv.lose_dram()
+    kv.start()
+    for n, d in data.items():
+        assert (kv.path / n).read_bytes() == d
+
+
+def test_changing_commands_need_root_or_the_mounts_owner(kv):
+    """Another user, even one who may write the file, gets EPERM with one clear line; the
+    read-only commands work for them."""
+    (kv.path / "f").write_bytes(os.urandom(CHUNK))
+    os.chown(kv.path / "f", 2000, 2000)
+    os.chmod(kv.path, 0o777)
+
+    def as_user(*args) -> subprocess.CompletedProcess:
+        """kvfsctl *args* in a child process run as user 2000 in the mount (the Python
+        binary may be closed to others: the child calls kvfsctl's main)."""
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 255
+            try:
+                os.close(r)
+                os.chdir(kv.path)
+                os.setgroups([])
+                os.setgid(2000)
+                os.setuid(2000)
+                sys.stdout = open(os.devnull, "w")
+                sys.stderr = os.fdopen(w, "w")
+                code = ctl_main(list(args))
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+        os.close(w)
+        with os.fdopen(r) as f:
+            err = f.read()
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        return subprocess.CompletedProcess(args, code, "", err)
+    for cmd in ("pin", "unpin", "demote", "evict"):
+        r = as_user(cmd, "f")
+        assert (r.returncode, r.stderr) == (
+            1, f"kvfsctl: f: {cmd} is for root and the user who mounted kvfs only\n"), r.stderr
+    r = as_user("scrub", ".")
+    assert (r.returncode, r.stderr) == (
+        2, "kvfsctl: ./f: scrub is for root and the user who mounted kvfs only\n")
+    assert not _pinned(kv.path / "f")
+    r = as_user("where", "f")
+    assert r.returncode == 0, r.stderr
+    os.setxattr(kv.path / "f", "user.kvfs.pin", b"1")  # root may
+    assert _pinned(kv.path / "f")
+    r = as_user("unpin", "f")
+    assert r.returncode == 1 and _pinned(kv.path / "f")
+
+
+def _flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def _record_offset(m, name: str, c: int) -> tuple[Path, int]:
+    """The segment file and offset of the NVMe record chunk *c* of *name* reads from."""
+    ino = os.stat(m.path / name).st_ino
+    seg = m.where(name)[c]["segment"]
+    path = m.nvme_dir / "segments" / f"seg-{seg:08d}.kvs"
+    raw = path.read_bytes()
+    best = None
+    for off in range(BLOCK, len(raw) - HEADER_SIZE + 1, BLOCK):
+        try:
+            h = unpack_header(raw[off:off + HEADER_SIZE])
+        except RecordError:
+            continue
+        if (h.ino, h.chunk) == (ino, c) and (best is None or h.seq > best[0]):
+            best = (h.seq, off)
+    assert best is not None
+    return path, best[1]
+
+
+def _scrub(m, *args) -> tuple[int, dict]:
+    r = ctl("scrub", m.path, "--json", *args, check=False)
+    assert r.returncode in (0, 1), r.stderr
+    return r.returncode, json.loads(r.stdout)
+
+
+def _damage_of(out: dict) -> set[tuple[str, int, str, str | None]]:
+    return {(os.path.basename(d["path"]), d["chunk"], d["tier"], d["repair"])
+            for d in out["damage"]}
+
+
+def test_scrub_finds_damage_on_every_tier_and_repairs_what_it_can(kv):
+    """A flipped payload byte in an NVMe-only record (no good copy: lost after --repair),
+    in the record of a chunk with a good DRAM copy (the record dropped, the chunk written
+    back again) and in a DRAM copy with a good record (the DRAM copy dropped): scrub finds
+    each, --repair leaves only the lost chunk, every other byte reads as written."""
+    files = {f"f{i}": os.urandom(2 * CHUNK) for i in range(3)}
+    for name, data in files.items():
+        (kv.path / name).write_bytes(data)
+    kv.unmount()
+    kv.lose_dram()
+    kv.start()
+    assert all(kv.tiers(n) == {"nvme"} for n in files)
+    with open(kv.path / "f1", "rb") as f:  # f1, f2: staged, clean copies in both tiers
+        f.read()
+    with open(kv.path / "f2", "rb") as f:
+        f.read()
+    _wait(lambda: all(kv.where(n)[0]["tiers"] == ["dram", "nvme"] for n in ("f1", "f2")))
+    assert _scrub(kv) == (0, {"files": 3, "checked_copies": 10, "unchecked_copies": 0,
+                              "damage": [], "skipped": []})
+
+    for name in ("f0", "f1"):
+        path, off = _record_offset(kv, name, 0)
+        _flip(path, off + HEADER_SIZE + 1000)
+    _flip(kv.dram_dir / "files" / f"{os.stat(kv.path / 'f2').st_ino:x}", CHUNK + 7)
+    code, out = _scrub(kv)
+    assert code == 1
+    assert _damage_of(out) == {("f0", 0, "nvme", None), ("f1", 0, "nvme", None),
+                               ("f2", 1, "dram", None)}
+    assert all("checksum mismatch" in d["error"] for d in out["damage"])
+    text = ctl("scrub", kv.path, check=False).stdout
+    assert f"{kv.path / 'f0'}: chunk 0, nvme: " in text
+    assert text.splitlines()[-1] == ("scrub: 3 files, 10 copies checked (0 being written, "
+                                      "not checked), 3 damaged in 3 files")
+
+    code, out = _scrub(kv, "--repair")
+    assert code == 1
+    assert _damage_of(out) == {("f0", 0, "nvme", "lost"), ("f1", 0, "nvme", "dropped"),
+                               ("f2", 1, "dram", "dropped")}
+    code, out = _scrub(kv)
+    assert code == 1
+    assert _damage_of(out) == {("f0", 0, "none", None)}  # reads give EIO, as before
+    fd = os.open(kv.path / "f0", os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as ei:
+            os.pread(fd, CHUNK, 0)
+        assert ei.value.errno == errno.EIO
+        assert os.pread(fd, CHUNK, CHUNK) == files["f0"][CHUNK:]
+    finally:
+        os.close(fd)
+    for name in ("f1", "f2"):
+        assert (kv.path / name).read_bytes() == files[name]
+    kv.unmount()
+    kv.lose_dram()
+    kv.start()
+    for name in ("f1", "f2"):
+        assert (kv.path / name).read_bytes() == files[name]
+    code, out = _scrub(kv)
+    assert _damage_of(out) == {("f0", 0, "none", None)}
+    assert "Traceback" not in kv.log()
+
+
+def test_cache_mode_eviction_spares_pinned_files(mount_factory):
+    """A cache-mode mount removes cold whole files when full, but never a pinned one (the
+    coldest file here, else the first to go)."""
+    m = mount_factory(dram_size="4M", nvme_size="24M", segment_size="1M", cache_mode="1")
+    keep = os.urandom(512 << 10)
+    (m.path / "f0").write_bytes(keep)
+    ctl("pin", m.path / "f0")
+    for i in range(1, 100):
+        (m.path / f"f{i}").write_bytes(os.urandom(512 << 10))
+    assert m.status()["evictions"]["files"] > 0
+    assert not (m.path / "f1").exists()
+    assert (m.path / "f0").read_bytes() == keep
+
+
+def test_demote_of_a_file_the_kernel_reads_from_dram_is_busy(kv):
+    """An open in passthrough mode reads the file's DRAM copy in the kernel: demote writes
+    its chunks back but cannot drop them (EBUSY, one line); after the close it can."""
+    data = os.urandom(3 * CHUNK)
+    (kv.path / "f").write_bytes(data)
+    with open(kv.path / "f", "rb") as f:
+        if kv.status()["passthrough"]["open_files"] != 1:
+            pytest.skip("no FUSE passthrough on this kernel")
+        r = ctl("demote", kv.path / "f", check=False)
+        assert (r.returncode, r.stderr) == (
+            1, f"kvfsctl: {kv.path / 'f'}: in use: the kernel reads or writes its DRAM copy "
+               f"itself (passthrough); try again once it is closed\n")
+        assert all(c["tiers"] == ["dram", "nvme"] for c in kv.where("f"))  # written back
+        assert f.read() == data
+    ctl("demote", kv.path / "f")
+    assert kv.tiers("f") == {"nvme"}

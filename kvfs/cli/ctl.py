@@ -8,6 +8,14 @@
     kvfsctl top MOUNTPOINT [--interval S] [--count N]
                                            a live view: rates per tier, hit rate,
                                            prefetch accuracy, GC, every S seconds
+  For root and the mount's owner only:
+    kvfsctl pin PATH... [-r]               keep files in DRAM (until unpinned or deleted)
+    kvfsctl unpin PATH... [-r]
+    kvfsctl demote PATH... [-r]            write back and drop the files' DRAM copies now
+    kvfsctl evict PATH... [-r]             the same (drop the DRAM copies, dirty ones
+                                           written back first)
+    kvfsctl scrub PATH [--repair] [--json] check every copy of every chunk against its
+                                           checksum; exit 1 if damage was found
 
 It talks to the daemon through virtual xattrs on the mount (see kvfs/control.py), so it works
 wherever the mount is visible.
@@ -16,6 +24,7 @@ wherever the mount is visible.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import errno
 import json
 import os
@@ -23,6 +32,11 @@ import sys
 import time
 
 from kvfs.config import format_size
+
+XATTR_SIZE_MAX = 65536
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.getxattr.restype = ctypes.c_ssize_t
+_libc.getxattr.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t)
 
 
 def get_status(mountpoint: str) -> dict:
@@ -166,6 +180,155 @@ def prefetch(paths: list[str]) -> int:
     return code
 
 
+CHANGING = {"pin": "user.kvfs.pin", "unpin": "user.kvfs.pin", "demote": "user.kvfs.demote",
+            "evict": "user.kvfs.evict"}
+
+
+def change(command: str, paths: list[str], recursive: bool) -> int:
+    """pin, unpin, demote or evict every file under *paths*; returns the exit code (1 if
+    any file failed, each failure one line)."""
+    code = 0
+    files = files_under(paths, recursive)
+    for path in files:
+        try:
+            if command == "unpin":
+                try:
+                    os.removexattr(path, CHANGING[command])
+                except OSError as exc:
+                    if exc.errno != errno.ENODATA:  # (not pinned: nothing to do)
+                        raise
+            else:
+                os.setxattr(path, CHANGING[command], b"1")
+        except OSError as exc:
+            print(f"kvfsctl: {path}: {_change_failed(command, path, exc)}", file=sys.stderr)
+            code = 1
+            if exc.errno in (errno.EPERM, errno.ENOTCONN):
+                break  # the same for every other file
+    return code
+
+
+def _change_failed(command: str, path: str, exc: OSError) -> str:
+    if exc.errno == errno.EPERM:
+        return f"{command} is for root and the user who mounted kvfs only"
+    if exc.errno == errno.ENOSPC and command == "pin":
+        try:
+            dram = get_status(path)["tiers"]["dram"]
+            size = format_size(os.stat(path).st_size)
+        except (CtlError, OSError):
+            return "does not fit in the DRAM tier's room for pinned files"
+        return (f"does not fit: pinned files may hold {format_size(dram['pin_limit_bytes'])} "
+                f"of DRAM, {format_size(dram['pinned_bytes'])} is pinned, this file is {size}")
+    if exc.errno == errno.EBUSY:
+        try:
+            os.getxattr(path, "user.kvfs.pin")
+            return f"pinned: `kvfsctl unpin` it first to {command} it"
+        except OSError:
+            return ("in use: the kernel reads or writes its DRAM copy itself (passthrough); "
+                    "try again once it is closed")
+    return _why(path, exc)
+
+
+def scrub(path: str, repair: bool, as_json: bool) -> int:
+    """Check every copy of every chunk of the files under *path*; 0 clean, 1 damage."""
+    files, seen = [], set()
+    for f in files_under([path], True):
+        try:
+            st = os.stat(f, follow_symlinks=False)
+        except OSError:
+            continue  # gone meanwhile
+        if st.st_ino not in seen:  # hard links: once
+            seen.add(st.st_ino)
+            files.append((f, st.st_size))
+    name = "user.kvfs.scrub.repair" if repair else "user.kvfs.scrub"
+    total_bytes = sum(size for _, size in files) or 1
+    done_bytes = checked = unchecked = 0
+    damaged: list[dict] = []
+    skipped: list[str] = []
+    progress = Progress()
+    for i, (f, size) in enumerate(files):
+        start: int | None = 0
+        while start is not None:
+            progress.show(f"scrub: {i}/{len(files)} files, "
+                          f"{100 * done_bytes / total_bytes:.0f}% of "
+                          f"{format_size(total_bytes)}, {checked} copies checked, "
+                          f"{len(damaged)} damaged")
+            try:
+                page = json.loads(getxattr_once(f, f"{name}.{start}" if start else name))
+            except OSError as exc:
+                if exc.errno == errno.EPERM:
+                    progress.end()
+                    raise CtlError(f"{f}: scrub is for root and the user who mounted kvfs "
+                                   f"only") from None
+                if exc.errno == errno.ENOTCONN:
+                    progress.end()
+                    raise CtlError(_why(f, exc)) from None
+                if exc.errno != errno.ENOENT:  # (deleted meanwhile: nothing to check)
+                    skipped.append(f"{f}: {exc.strerror}")
+                break
+            checked += page["checked"]
+            unchecked += page["unchecked"]
+            damaged += [{"path": f, **d} for d in page["damage"]]
+            start = page["next"]
+        done_bytes += size
+    progress.end()
+    files_damaged = len({d["path"] for d in damaged})
+    if as_json:
+        print(json.dumps({"files": len(files), "checked_copies": checked,
+                          "unchecked_copies": unchecked, "damage": damaged,
+                          "skipped": skipped}, indent=1))
+    else:
+        for d in damaged:
+            fix = f" [{d['repair']}]" if d["repair"] else ""
+            print(f"{d['path']}: chunk {d['chunk']}, {d['tier']}: {d['error']}{fix}")
+        for s in skipped:
+            print(f"not checked: {s}")
+        print(f"scrub: {len(files)} files, {checked} copies checked ({unchecked} being "
+              f"written, not checked), {len(damaged)} damaged in {files_damaged} files")
+    return 1 if damaged else 0
+
+
+def getxattr_once(path: str, name: str) -> bytes:
+    """getxattr(2) with a buffer of the largest size an xattr may have. os.getxattr asks
+    with 128 bytes first and again with more if the value is longer: the daemon answers
+    both, and a scrub page (with --repair, its repairs) must be done once."""
+    buf = ctypes.create_string_buffer(XATTR_SIZE_MAX)
+    n = _libc.getxattr(os.fsencode(path), name.encode(), buf, XATTR_SIZE_MAX)
+    if n < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return buf.raw[:n]
+
+
+class Progress:
+    """One progress line on stderr: rewritten in place on a terminal, else a line every
+    PROGRESS_EVERY seconds."""
+
+    PROGRESS_EVERY = 10.0
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.last = time.monotonic()
+        self.shown = False
+
+    def show(self, text: str) -> None:
+        now = time.monotonic()
+        if self.tty and now - self.last >= 0.2:
+            sys.stderr.write(f"\r{text}\033[K")
+            self.shown = True
+        elif not self.tty and now - self.last >= self.PROGRESS_EVERY:
+            sys.stderr.write(text + "\n")
+        else:
+            return
+        sys.stderr.flush()
+        self.last = now
+
+    def end(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            self.shown = False
+
+
 def print_where(w: dict) -> None:
     print(f"inode {w['ino']}, {w['size']} bytes, chunk size {format_size(w['chunk_size'])}")
     for c in w["chunks"]:
@@ -277,6 +440,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds between views (default %(default)s)")
     p.add_argument("--count", type=int, default=None, metavar="N",
                    help="stop after N views (default: until interrupted)")
+    for name, what in (("pin", "keep files in DRAM until unpinned or deleted"),
+                       ("unpin", "let pinned files leave DRAM again"),
+                       ("demote", "write back and drop the files' DRAM copies now"),
+                       ("evict", "drop the files' DRAM copies (dirty ones written back "
+                                 "first)")):
+        p = sub.add_parser(name, help=f"{what} (root and the mount's owner)")
+        p.add_argument("paths", nargs="+", metavar="PATH",
+                       help="files, and directories (the files in them)")
+        p.add_argument("-r", "--recursive", action="store_true",
+                       help="the files in directories' subdirectories too")
+    p = sub.add_parser("scrub", help="check every copy of every chunk against its checksum "
+                                     "(root and the mount's owner)")
+    p.add_argument("mountpoint", metavar="PATH",
+                   help="the mount, or a directory or file on it")
+    p.add_argument("--repair", action="store_true",
+                   help="drop damaged copies that have a good one; mark lost the chunks "
+                        "that have none (they read as EIO)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
         return _run(args)
@@ -298,6 +479,10 @@ def _run(args: argparse.Namespace) -> int:
         return prefetch(args.paths)
     elif args.command == "top":
         return top(args.mountpoint, args.interval, args.count)
+    elif args.command in CHANGING:
+        return change(args.command, args.paths, args.recursive)
+    elif args.command == "scrub":
+        return scrub(args.mountpoint, args.repair, args.json)
     return 0
 
 
