@@ -181,8 +181,7 @@ class Settings:
     # POINT:N); NVMe stagings take SECONDS longer while PATH exists (SECONDS:PATH).
     crash_at: str = ""
     fetch_delay: str = ""
-    # The pod tier (issue 35, kvfs/store/pod.py): parsed and checked, but not used by the
-    # daemon yet; the store and the namespace call the pod once it is wired in.
+    # The pod tier (issue 35, kvfs/store/pod.py, kvfs/podfiles.py).
     # The pod's Mooncake master, HOST:PORT ("": no pod).
     pod: str = ""
     # Which pod, on that master: part of every object key, so pods can share a master.

@@ -181,13 +181,15 @@ def records_of(data: bytes, chunk_size: int, codec: Codec,
                hint: str | None = None) -> list[tuple[int, bytes]]:
     """Records of *data* as the store writes them, for publishers that hold only bytes
     (tools, tests): (chunk number, 64-byte header + payload) per chunk."""
-    out = []
-    for c in range(0, (len(data) + chunk_size - 1) // chunk_size):
-        raw = data[c * chunk_size:(c + 1) * chunk_size]
-        used, payload = codec.encode(raw, codec.choose(raw, hint))
-        header = RecordHeader(used, 0, 0, c, 0, len(raw), len(payload), hash_bytes(raw))
-        out.append((c, pack_header(header) + bytes(payload)))
-    return out
+    return [(c, record_of(c, data[c * chunk_size:(c + 1) * chunk_size], codec, hint))
+            for c in range(0, (len(data) + chunk_size - 1) // chunk_size)]
+
+
+def record_of(c: int, raw: bytes, codec: Codec, hint: str | None = None) -> bytes:
+    """Chunk *c*'s record (64-byte header + encoded payload) as the store writes one."""
+    used, payload = codec.encode(raw, codec.choose(raw, hint))
+    header = RecordHeader(used, 0, 0, c, 0, len(raw), len(payload), hash_bytes(raw))
+    return pack_header(header) + bytes(payload)
 
 
 def _mooncake_store_class() -> Any:
@@ -395,6 +397,15 @@ class Pod:
         return None
 
     # -- publishing ---------------------------------------------------------------------
+
+    def can_take(self, nbytes: int) -> bool:
+        """Could a file of *nbytes* (raw: its records are at most that plus headers) be
+        queued now? If not it is counted as dropped, and its caller need not read it."""
+        if self._client is None or nbytes > self.max_object or (
+                self.queued_bytes + nbytes > self.queue_bytes):
+            self.counters.dropped += 1
+            return False
+        return True
 
     def publish(self, path: str, records: Sequence[tuple[int, bytes]], *, version: int,
                 mode: int, size: int, mtime_ns: int, chunk_size: int) -> bool:
