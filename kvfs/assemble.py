@@ -178,7 +178,8 @@ class Assembly:
         mount = hashlib.blake2b(os.path.realpath(s.mountpoint).encode(), digest_size=4).hexdigest()
         member = f"{socket.gethostname()}-{mount}-{os.getpid()}"
         try:
-            return Pod(s.pod, s.pod_name, member, s.pod_segment_size, timeout=s.pod_timeout)
+            return Pod(s.pod, s.pod_name, member, s.pod_segment_size, timeout=s.pod_timeout,
+                       metrics=s.pod_metrics or None, replicas=s.pod_replicas)
         except PodUnavailable as e:
             raise ConfigError(f"-o pod={s.pod}: {e}") from None
 

@@ -30,6 +30,7 @@ import trio
 
 from kvfs.namespace import REMOTE, ROOT_INODE, Inode, Namespace
 from kvfs.store.chunkstore import ChunkStore
+from kvfs.store.location import LOST, TAIL_LOST
 from kvfs.store.nvme import HEADER_SIZE
 from kvfs.store.pod import Pod, PodHead, record_of
 
@@ -42,6 +43,11 @@ SETTLE_S = 0.1
 DUE_MAX = 4096
 # Directory levels a published path may have.
 DEPTH_MAX = 64
+# A version of a file whose fetch found it damaged is a miss for this long (one whose fetch
+# failed otherwise, gone or too slow or a dead member's, for the pod's miss_ttl); at most
+# FAILED_MAX of them: lookups do not bring back at once what the open could not give.
+DAMAGED_TTL_S = 10.0
+FAILED_MAX = 4096
 
 
 class PodFiles:
@@ -60,6 +66,7 @@ class PodFiles:
         self.imported: dict[int, tuple[int, int]] = {}
         self.chunks_from_pod = 0
         self._fetching: dict[int, trio.Event] = {}
+        self._failed: dict[str, tuple[int, float]] = {}  # path -> (version, until when)
         self._due: dict[int, float] = {}  # ino -> when it may be published, soonest first
         self._wakeup = trio.Event()
 
@@ -123,8 +130,10 @@ class PodFiles:
                 log.exception("pod: publishing inode %d failed", ino)
 
     async def _publish(self, node: Inode) -> None:
-        """Read the file's chunks (holes are left out), encode them as records in a worker
-        thread, queue them. A file changed meanwhile is not published (its close is due)."""
+        """Queue the file's records (holes are left out): a chunk with an NVMe copy as its
+        record is stored there (read and checked, not encoded again); a chunk only in DRAM
+        read through the store and encoded in a worker thread as writeback would. A file
+        changed meanwhile is not published (its close is due)."""
         ino, size, version = node.ino, node.size, node.mtime_ns
         path = self.path_of(ino)
         if path is None:
@@ -132,23 +141,36 @@ class PodFiles:
         if not self.pod.can_take(size):
             return
         cs = self.store.cs
+
+        def changed() -> bool:
+            return node.mtime_ns != version or node.size != size or not node.nlink
+
+        records: dict[int, bytes] = {}
         raw: list[tuple[int, bytes]] = []
         for c in range(self.store.nchunks(size)):
-            if self.store.get(ino, c) is None:
+            loc = self.store.get(ino, c)
+            if loc is None:
                 continue  # a hole
-            data = await self.store.read(ino, c * cs, cs, size)
-            raw.append((c, bytes(data)))  # (a view of the store's scratch: copied now)
-            if node.mtime_ns != version or node.size != size or not node.nlink:
+            if loc.seg and not loc.flags & (LOST | TAIL_LOST):
+                record = await self.store.nvme_record(ino, c, loc)
+                if record is None:
+                    return  # the chunk changed
+                records[c] = record
+            else:
+                data = await self.store.read(ino, c * cs, cs, size)
+                raw.append((c, bytes(data)))  # (a view of the store's scratch: copied now)
+            if changed():
                 return
-        hint = self.ns.inherited_hint(ino, b"user.kvfs.dtype")
-        codec = self.store.codec
-        records = await trio.to_thread.run_sync(
-            lambda: [(c, record_of(c, b, codec, hint and hint.decode(errors="replace")))
-                     for c, b in raw])
-        if node.mtime_ns != version or node.size != size or not node.nlink:
-            return
-        self.pod.publish(path, records, version=version, mode=node.mode, size=size,
-                         mtime_ns=version, chunk_size=cs)
+        if raw:
+            hint = self.ns.inherited_hint(ino, b"user.kvfs.dtype")
+            hint_text = hint.decode(errors="replace") if hint else None
+            codec = self.store.codec
+            records |= await trio.to_thread.run_sync(
+                lambda: {c: record_of(c, b, codec, hint_text) for c, b in raw})
+            if changed():
+                return
+        self.pod.publish(path, sorted(records.items()), version=version, mode=node.mode,
+                         size=size, mtime_ns=version, chunk_size=cs)
 
     # -- lookups --------------------------------------------------------------------------
 
@@ -159,7 +181,7 @@ class PodFiles:
         if path is None:
             return None
         head = await self.pod.lookup(path)
-        if head is None or not stat.S_ISREG(head.mode):
+        if head is None or not stat.S_ISREG(head.mode) or self._failed_before(head):
             return None
         ino = self.ns.lookup(parent, name)  # created here meanwhile?
         if ino is not None:
@@ -184,9 +206,15 @@ class PodFiles:
             return True
         done = self._fetching[ino] = trio.Event()
         try:
+            damaged = self.pod.counters.damaged
             got = await self.pod.fetch(head)
             if got is None:
                 self.remote.pop(ino, None)
+                ttl = DAMAGED_TTL_S if self.pod.counters.damaged > damaged else self.pod.miss_ttl
+                self._failed.pop(head.path, None)
+                self._failed[head.path] = (head.version, time.monotonic() + ttl)
+                while len(self._failed) > FAILED_MAX:
+                    del self._failed[next(iter(self._failed))]
                 return False
             cs = head.chunk_size
             for c, raw in sorted(got.chunks.items()):
@@ -204,6 +232,15 @@ class PodFiles:
             del self._fetching[ino]
             done.set()
 
+    def _failed_before(self, head: PodHead) -> bool:
+        failed = self._failed.get(head.path)
+        if failed is None:
+            return False
+        if failed[0] == head.version and failed[1] > time.monotonic():
+            return True
+        del self._failed[head.path]
+        return False
+
     async def changed(self, node: Inode) -> PodHead | None:
         """The pod's newer head of a file fetched from it, if it has one and the file is
         still as fetched and closed; None otherwise."""
@@ -217,6 +254,7 @@ class PodFiles:
         path = self.path_of(ino)
         head = await self.pod.lookup(path) if path is not None else None
         if (head is None or head.version == had[0] or not stat.S_ISREG(head.mode)
+                or self._failed_before(head)
                 or self.imported.get(ino) != had or node.mtime_ns != had[1] or node.opens
                 or not node.nlink):
             return None

@@ -89,8 +89,10 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                         "given, e.g. 0.0.0.0:9108; off by default; a port that cannot be "
                         "bound fails the mount), pod=HOST:PORT, pod_name=, "
                         "pod_segment_size= (memory given to the pod's pool, default 25%% "
-                        "of dram_size), pod_timeout= "
-                        "(most a lookup waits for the pod, default 50ms)")
+                        "of dram_size), pod_timeout= (most a lookup waits for the pod, "
+                        "default 50ms), pod_metrics=HOST:PORT (the master's metrics port, "
+                        "default its host:9003), pod_replicas= (copies of each published "
+                        "file in the pod, default 2)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
