@@ -96,9 +96,14 @@ def master(tmp_path):
 def pod(master, mount_factory):
     """pod(n): n kvfs mounts joined to the master (unmounted by mount_factory)."""
     def make(n: int = 3) -> list:
-        return [mount_factory(pod=master.address, pod_name=POD_NAME, pod_segment_size="16M",
+        # the last one joins by the command line's flags, the others by -o
+        return [mount_factory(**({"pod": master.address, "pod_name": POD_NAME} if i < n - 1
+                                 else {}),
+                              flags=["--pod", master.address, "--pod-name", POD_NAME]
+                              if i == n - 1 else None,
+                              pod_segment_size="16M",
                               pod_metrics=f"127.0.0.1:{master.metrics_port}")
-                for _ in range(n)]
+                for i in range(n)]
 
     return make
 
@@ -177,6 +182,21 @@ def test_a_file_on_nvme_renamed_into_place_is_published_from_there(pod) -> None:
     os.rename(a.path / "cold.tmp", a.path / "cold.bin")
     assert until(lambda: read_or_none(b.path / "cold.bin"), "B reads cold.bin") == data
     assert a.tiers("cold.bin") == {"nvme"}  # its records were published as stored
+
+
+def test_a_file_found_in_the_pod_but_not_fetched_is_gone_after_a_crash(pod) -> None:
+    """Its inode has a size and no chunks: after a restart it must not read as zeros."""
+    a, b = pod(2)
+    data = kv_bytes(200_000, 8)
+    (a.path / "k.bin").write_bytes(data)
+    until(lambda: published(a, 1), "A published k.bin")
+    assert os.stat(b.path / "k.bin").st_size == len(data)  # found, not fetched
+    b.kill()
+    b.start()
+    assert os.listdir(b.path) == []
+    assert b.status()["files"] == 0
+    # found again (once the master let go of B's dead member: a copy was in its memory)
+    assert until(lambda: read_or_none(b.path / "k.bin"), "B reads k.bin again") == data
 
 
 def test_a_file_is_read_on_the_others_after_its_writer_was_killed(pod) -> None:
