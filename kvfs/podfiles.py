@@ -241,6 +241,14 @@ class PodFiles:
         del self._failed[head.path]
         return False
 
+    def emptied(self, node: Inode) -> None:
+        """A REMOTE file opened with O_TRUNC: an empty local file, nothing fetched."""
+        self.remote.pop(node.ino, None)
+        node.resize(0, holes=False)
+        node.flags &= ~REMOTE
+        node.mtime_ns = node.ctime_ns = time.time_ns()
+        self.ns.save(node)
+
     async def changed(self, node: Inode) -> PodHead | None:
         """The pod's newer head of a file fetched from it, if it has one and the file is
         still as fetched and closed; None otherwise."""

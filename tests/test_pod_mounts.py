@@ -156,6 +156,13 @@ def test_a_file_written_on_one_mount_is_read_on_the_others(pod) -> None:
         assert st["reads"]["chunks_from_pod"] == 6 + 2
         assert st["pod"]["hits"] >= 2 and st["pod"]["damaged"] == 0
     until(lambda: b.status()["pod"]["members"] == 3, "the master counts 3 members")
+    # a file of the pod written over here (O_TRUNC) is not fetched first
+    (a.path / "over.bin").write_bytes(data)
+    until(lambda: published(a, 3), "A published over.bin")
+    with open(b.path / "over.bin", "wb") as f:
+        f.write(b"mine")
+    assert (b.path / "over.bin").read_bytes() == b"mine"
+    assert b.status()["reads"]["chunks_from_pod"] == 6 + 2
     # A's own files are local: nothing of them was fetched there
     assert a.status()["reads"]["chunks_from_pod"] == 0
 
