@@ -246,7 +246,8 @@ class Operations(pyfuse3.Operations):
         node = self.ns.get(ino)
         if self.pod is not None and ino in self.pod.imported:
             head = await self.pod.changed(node)
-            if head is not None and not node.opens and not self.pt.busy(ino):
+            if (head is not None and not node.opens and not self.pt.busy(ino)
+                    and ino not in self._opening):
                 self.pt.revoke(ino)
                 await self.pod.replace(node, head)
         return self._entry(node)
@@ -537,7 +538,7 @@ class Operations(pyfuse3.Operations):
         """A file found in the pod is fetched before anything opens or cuts it. If the pod
         does not give it (gone, damaged, too slow) it was a miss after all: its names go
         and the caller gets ENOENT (as if it had been unlinked since its lookup)."""
-        if self.pod is None or node.ino not in self.pod.remote:
+        if self.pod is None:
             return
         if not await self.pod.fetch(node):
             for parent, name in list(self.ns.names_of(node.ino)):

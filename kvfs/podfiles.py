@@ -188,16 +188,18 @@ class PodFiles:
             return self.ns.get(ino)
         d = self.ns.get(parent)
         with self.ns.meta.write():  # one commit: never an empty file without REMOTE
-            node = self.ns.create(parent, name, stat.S_IFREG | stat.S_IMODE(head.mode),
-                                  d.uid, d.gid)
+            # (owned by the directory's owner: no set-id bit another member asks for)
+            node = self.ns.create(parent, name, stat.S_IFREG | (head.mode & 0o777), d.uid,
+                                  d.gid)
             node.size, node.mtime_ns, node.flags = head.size, head.mtime_ns, REMOTE
             self.ns.save(node)
         self.remote[node.ino] = head
         return node
 
     async def fetch(self, node: Inode) -> bool:
-        """Bring a REMOTE file's bytes into the store (no-op for others); False if the pod
-        does not give them (gone, damaged, too slow): the caller removes its names."""
+        """Bring a REMOTE file's bytes into the store (for others, only wait for a fetch or
+        `replace` under way); False if the pod does not give them (gone, damaged, too
+        slow): the caller removes its names."""
         ino = node.ino
         while (busy := self._fetching.get(ino)) is not None:
             await busy.wait()
@@ -269,15 +271,25 @@ class PodFiles:
         return head
 
     async def replace(self, node: Inode, head: PodHead) -> None:
-        """A fetched file becomes REMOTE again, with *head* (`changed`)."""
+        """A fetched file becomes REMOTE again, with *head* (`changed`). An open meanwhile
+        waits (`fetch`) and then fetches the new version."""
+        ino = node.ino
+        if ino in self._fetching:
+            return
+
         def remote() -> None:
             node.resize(head.size, holes=True)
             node.mtime_ns, node.flags = head.mtime_ns, REMOTE
             self.ns.save(node)
 
-        await self.store.truncate(node.ino, node.size, 0, on_commit=remote)
-        self.imported.pop(node.ino, None)
-        self.remote[node.ino] = head
+        done = self._fetching[ino] = trio.Event()
+        try:
+            await self.store.truncate(ino, node.size, 0, on_commit=remote)
+            self.imported.pop(ino, None)
+            self.remote[ino] = head
+        finally:
+            del self._fetching[ino]
+            done.set()
 
     def forgotten(self, ino: int) -> None:
         """*ino*'s data is freed."""
