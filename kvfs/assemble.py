@@ -4,9 +4,11 @@ free of construction details."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
+import socket
 
 import pyfuse3
 import trio
@@ -16,7 +18,8 @@ from kvfs.config import ConfigError, Settings
 from kvfs.control import Control
 from kvfs.faults import Faults
 from kvfs.fs import Operations
-from kvfs.namespace import PIN_XATTR, Namespace
+from kvfs.namespace import PIN_XATTR, REMOTE, Namespace
+from kvfs.podfiles import PodFiles
 from kvfs.readahead import Readahead
 from kvfs.store.chunkstore import ChunkStore
 from kvfs.store.codec import Codec, CodecPolicy
@@ -25,6 +28,7 @@ from kvfs.store.events import StoreEvents
 from kvfs.store.fetch import StageWatch
 from kvfs.store.gc import Cleaner
 from kvfs.store.meta import MetaStore
+from kvfs.store.pod import Pod, PodUnavailable
 from kvfs.store.streams import LifetimeClassifier, StreamTable
 from kvfs.tiering import Demoter, DramPolicy, FileEvictor
 
@@ -108,6 +112,16 @@ class Assembly:
                 inode.resize(size, holes=holes)
                 self.ns.save(inode)
         pins = self.ns.hinted(PIN_XATTR)  # files an operator pinned (kvfsctl pin)
+        # Files found in the pod and not fetched (or fetched part way) when the daemon
+        # stopped: they have a size and no (or some) chunks. They go (as orphans, below): a
+        # lookup finds them in the pod again.
+        for inode in [i for i in self.ns.inodes.values() if i.flags & REMOTE]:
+            for parent, name in list(self.ns.names_of(inode.ino)):
+                self.ns.remove(parent, name, want_dir=False)
+        self.pod = self.podfiles = None
+        if s.pod:
+            self.pod = self._pod(s)
+            self.podfiles = PodFiles(self.pod, self.ns, self.store)
         self.evictor = None
         extra = []
         self.store.prefetch_limiter.total_tokens = s.prefetch_concurrency
@@ -115,9 +129,11 @@ class Assembly:
             self.store, depth=s.readahead_chunks, enabled=s.prefetch,
             bandwidth=s.prefetch_bandwidth, size_of=self.size_of, meta=self.meta)
         extra.append(self.readahead.stats)
-        self.control = Control(self.ns, self.store, s, self.readahead, extra)
+        self.control = Control(self.ns, self.store, s, self.readahead, extra, pod=self.podfiles)
         self.ops = Operations(self.ns, self.store, self.control, self.readahead,
-                              cache_mode=s.cache_mode, faults=self.faults)
+                              cache_mode=s.cache_mode, faults=self.faults, pod=self.podfiles)
+        if self.podfiles is not None:
+            extra.append(self.podfiles.stats)
         # opens answered by the shim's front thread, without waiting for the trio thread
         extra.append(self.ops.pt.stats)
         if s.cache_mode:
@@ -158,6 +174,18 @@ class Assembly:
         self.left_in_dram = 0  # bytes the unmount could not write back (`run`)
         self.metrics = None  # the daemon's MetricsServer (-o metrics), bound before we were
 
+    @staticmethod
+    def _pod(s: Settings) -> Pod:
+        """This mount's member of the pod at s.pod. Its name is unique in the pod: this
+        host, this mount, this daemon (a restarted daemon is a new member)."""
+        mount = hashlib.blake2b(os.path.realpath(s.mountpoint).encode(), digest_size=4).hexdigest()
+        member = f"{socket.gethostname()}-{mount}-{os.getpid()}"
+        try:
+            return Pod(s.pod, s.pod_name, member, s.pod_segment_size, timeout=s.pod_timeout,
+                       metrics=s.pod_metrics or None, replicas=s.pod_replicas)
+        except PodUnavailable as e:
+            raise ConfigError(f"-o pod={s.pod}: {e}") from None
+
     def size_of(self, ino: int) -> int | None:
         if self.ns is None:  # (while the store loads)
             return None
@@ -186,6 +214,8 @@ class Assembly:
                 await pyfuse3.main(min_tasks=8, max_tasks=64)
                 await self.finish()
                 nursery.cancel_scope.cancel()
+            if self.pod is not None:
+                await self.pod.close()  # leave the pod (files not yet published are not)
         finally:
             if self.metrics is not None:
                 self.metrics.collector.detach()
@@ -202,6 +232,9 @@ class Assembly:
         nursery.start_soon(self.ops.pt.run_takes)
         nursery.start_soon(self.ops.pt.watch_mapped)
         nursery.start_soon(self.control.stage_pinned)  # pinned files back in DRAM
+        if self.pod is not None:
+            nursery.start_soon(self.pod.run)
+            nursery.start_soon(self.podfiles.run, self.ops.settled)
 
     async def finish(self) -> None:
         """An unmount, once no request can come any more: the files the kernel wrote are

@@ -181,8 +181,7 @@ class Settings:
     # POINT:N); NVMe stagings take SECONDS longer while PATH exists (SECONDS:PATH).
     crash_at: str = ""
     fetch_delay: str = ""
-    # The pod tier (issue 35, kvfs/store/pod.py): parsed and checked, but not used by the
-    # daemon yet; the store and the namespace call the pod once it is wired in.
+    # The pod tier (issue 35, kvfs/store/pod.py, kvfs/podfiles.py).
     # The pod's Mooncake master, HOST:PORT ("": no pod).
     pod: str = ""
     # Which pod, on that master: part of every object key, so pods can share a master.
@@ -192,6 +191,12 @@ class Settings:
     pod_segment_size: str | int = "25%"
     # Most a pod call may hold up a request before it counts as a miss: 50ms, 0.05 or 1s.
     pod_timeout: str | float = "50ms"
+    # Where the master serves its metrics (HOST:PORT; "": the master's host, port 9003),
+    # which say how many members the pod has.
+    pod_metrics: str = ""
+    # Copies the pod keeps of each published object, each in another member's memory: a
+    # member's death loses none of what it published while another copy is left (1-4).
+    pod_replicas: int = 2
     extra: dict[str, str] = field(default_factory=dict)
 
     def resolve(self) -> Settings:
@@ -237,6 +242,10 @@ class Settings:
             raise ConfigError(f"streams must be between 1 and 5, not {s.streams}")
         if s.pod:
             parse_address(s.pod, what="pod")
+        if s.pod_metrics:
+            parse_address(s.pod_metrics, what="pod_metrics")
+        if not 1 <= s.pod_replicas <= 4:
+            raise ConfigError(f"pod_replicas must be between 1 and 4, not {s.pod_replicas}")
         if not _POD_NAME_RE.match(s.pod_name):
             raise ConfigError(f"pod_name must be 1-64 letters, digits, '.', '_' or '-', "
                               f"not {s.pod_name!r}")
@@ -257,7 +266,7 @@ _BOOL_OPTIONS = {"cache_mode", "foreground", "debug", "allow_other", "compress",
                  "dram_compress", "passthrough", "dram_huge", "fast_open", "front_reads"}
 _FLOAT_OPTIONS = {"dram_high_watermark", "dram_low_watermark"}
 _INT_OPTIONS = {"io_threads", "readahead_chunks", "streams", "prefetch_concurrency",
-                "fast_open_files"}
+                "fast_open_files", "pod_replicas"}
 # Generic mount options that mount(8) passes along and kvfs has nothing to do with.
 IGNORED_MOUNT_OPTIONS = {"rw", "defaults", "auto", "noauto", "user", "nouser", "nofail", "_netdev",
                          "dev", "nodev", "suid", "nosuid", "exec", "noexec", "atime", "noatime",

@@ -62,8 +62,9 @@ DEMOTE_TRIES = 3
 
 
 class Control:
-    def __init__(self, ns, store, settings, readahead, extra_stats=()) -> None:
+    def __init__(self, ns, store, settings, readahead, extra_stats=(), pod=None) -> None:
         self.ns = ns
+        self.pod = pod  # kvfs.podfiles.PodFiles, or None
         self.store = store
         self.readahead = readahead
         self.settings = settings
@@ -255,7 +256,9 @@ class Control:
         inode = self.ns.get(ino)
         if not inode.is_reg:
             raise NamespaceError(errno.EISDIR if inode.is_dir else errno.EINVAL)
-        chunks = [c for c in self.store.where(ino, inode.size) if c["chunk"] >= start]
+        remote = self.pod.where(ino) if self.pod is not None else None
+        chunks = [c for c in (self.store.where(ino, inode.size) if remote is None else remote)
+                  if c["chunk"] >= start]
         page, rest = chunks[:WHERE_PAGE], chunks[WHERE_PAGE:]
         return {"ino": ino, "size": inode.size, "chunk_size": self.store.cs, "chunks": page,
                 "next": rest[0]["chunk"] if rest else None}

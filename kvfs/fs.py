@@ -11,6 +11,7 @@ Attributes of `Operations`:
     handles   open file handles (fh -> Handle)
     dirs      open directory handles (fh -> snapshot of entries)
     pt        Passthrough: files the kernel reads or writes straight from DRAM, fast opens
+    pod       PodFiles: files shared with the other mounts of a pod (None: no pod)
     requests  FUSE requests answered by a handler so far (kvfs.collector waits for a pause)
 
 Opens in passthrough mode (the kernel reads or writes a file straight from its DRAM file)
@@ -38,6 +39,7 @@ import pyfuse3
 from kvfs.faults import Faults
 from kvfs.namespace import NAME_MAX, Inode, Namespace, NamespaceError
 from kvfs.passthrough import Passthrough
+from kvfs.podfiles import PodFiles
 from kvfs.store.chunkstore import ChunkStore
 from kvfs.store.location import ChunkError, NoSpace
 
@@ -139,7 +141,8 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
 
     def __init__(self, ns: Namespace, store: ChunkStore, control, readahead, *,
-                 cache_mode: bool, evictor=None, faults: Faults | None = None) -> None:
+                 cache_mode: bool, evictor=None, faults: Faults | None = None,
+                 pod: PodFiles | None = None) -> None:
         super().__init__()
         self.faults = faults or Faults()
         self.ns = ns
@@ -153,6 +156,7 @@ class Operations(pyfuse3.Operations):
         self.dirs: dict[int, list[tuple[bytes, int]]] = {}
         self._fh = itertools.count(1)
         self.pt = Passthrough(ns, store, readahead, host=self)
+        self.pod = pod
         self._opening: dict[int, int] = {}  # ino -> opens under way (_opening_file)
         # Unlinked files whose data is freed but which the kernel still knows (see _open).
         self._data_freed: set[int] = set()
@@ -166,8 +170,12 @@ class Operations(pyfuse3.Operations):
         a = pyfuse3.EntryAttributes()
         a.st_ino = inode.ino
         a.generation = 0
-        a.entry_timeout = ENTRY_TIMEOUT
-        a.attr_timeout = ATTR_TIMEOUT
+        if self.pod is not None and self.pod.short_lived(inode.ino):
+            # the kernel asks again soon: a newer version in the pod replaces it
+            a.entry_timeout = a.attr_timeout = self.pod.pod.hit_ttl
+        else:
+            a.entry_timeout = ENTRY_TIMEOUT
+            a.attr_timeout = ATTR_TIMEOUT
         a.st_mode = inode.mode
         a.st_nlink = inode.nlink
         a.st_uid = inode.uid
@@ -196,6 +204,8 @@ class Operations(pyfuse3.Operations):
             return
         if inode.is_reg:
             self.pt.freed(inode.ino)
+            if self.pod is not None:
+                self.pod.forgotten(inode.ino)
             self.readahead.forgotten(inode.ino)
             self.store.delete_file(inode.ino, inode.size)
             if inode.size:
@@ -222,12 +232,25 @@ class Operations(pyfuse3.Operations):
     @_errors
     async def lookup(self, parent_inode, name, ctx=None):
         ino = self.ns.lookup(parent_inode, name)
+        if ino is None and self.pod is not None:
+            found = await self.pod.lookup(parent_inode, name)
+            if found is not None:
+                return self._entry(found)
         if ino is None:
             a = pyfuse3.EntryAttributes()
             a.st_ino = 0  # cached negative entry: engines probe for absent blocks a lot
-            a.entry_timeout = ENTRY_TIMEOUT
+            # (with a pod, only as long as the pod's own answer is: a file published since
+            # must appear)
+            a.entry_timeout = ENTRY_TIMEOUT if self.pod is None else self.pod.pod.miss_ttl
             return a
-        return self._entry(self.ns.get(ino))
+        node = self.ns.get(ino)
+        if self.pod is not None and ino in self.pod.imported:
+            head = await self.pod.changed(node)
+            if (head is not None and not node.opens and not self.pt.busy(ino)
+                    and ino not in self._opening):
+                self.pt.revoke(ino)
+                await self.pod.replace(node, head)
+        return self._entry(node)
 
     @_errors
     async def forget(self, inode_list):
@@ -255,6 +278,8 @@ class Operations(pyfuse3.Operations):
             self.pt.revoke(inode)
             if not node.is_reg:
                 raise pyfuse3.FUSEError(errno.EISDIR if node.is_dir else errno.EINVAL)
+            with self._opening_file(inode):
+                await self._fetched(node)
             if attr.st_size > MAX_FILE_SIZE:
                 raise pyfuse3.FUSEError(errno.EFBIG)
             await self.pt.recorded(node)
@@ -385,6 +410,10 @@ class Operations(pyfuse3.Operations):
         replaced = self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
         if replaced is not None:
             self._maybe_free(replaced)
+        if self.pod is not None:  # published under its new name (a file renamed into place)
+            moved = self.ns.lookup(parent_inode_new, name_new)
+            if moved is not None and self.ns.inodes[moved].is_reg:
+                self.pod.due(moved)
 
     # -- files -----------------------------------------------------------------------------
     def _open_handle(self, inode: Inode, flags: int, pid: int,
@@ -468,6 +497,9 @@ class Operations(pyfuse3.Operations):
             # Unlinked, with no open, between the caller's lookup and this OPEN: its data is
             # gone. As if the unlink had come before the lookup, not an empty file.
             raise pyfuse3.FUSEError(errno.ENOENT)
+        if flags & os.O_TRUNC and self.pod is not None and inode in self.pod.remote:
+            self.pod.emptied(node)  # (what the pod has of it would be cut away at once)
+        await self._fetched(node)
         if flags & os.O_TRUNC and self.pt.size(node):
             # libfuse negotiates atomic O_TRUNC: the kernel leaves truncation to open().
             self.pt.revoke(inode)
@@ -501,6 +533,19 @@ class Operations(pyfuse3.Operations):
             pt = await self.pt.mode(node, flags)
         self.readahead.created(node.ino, parent_inode, ctx.pid)
         return self._open_handle(node, flags, ctx.pid, pt), self._entry(node)
+
+    async def _fetched(self, node: Inode) -> None:
+        """A file found in the pod is fetched before anything opens or cuts it. If the pod
+        does not give it (gone, damaged, too slow) it was a miss after all: its names go
+        and the caller gets ENOENT (as if it had been unlinked since its lookup)."""
+        if self.pod is None:
+            return
+        if not await self.pod.fetch(node):
+            for parent, name in list(self.ns.names_of(node.ino)):
+                self.ns.remove(parent, name, want_dir=False)
+                pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+            self._maybe_free(node)
+            raise pyfuse3.FUSEError(errno.ENOENT)
 
     def _check_direct(self, h: Handle, off: int, size: int) -> None:
         if h.direct and (off % DIRECT_IO_ALIGN or size % DIRECT_IO_ALIGN):
@@ -608,8 +653,22 @@ class Operations(pyfuse3.Operations):
         node = self._closed(h)
         if node is not None and node.nlink > 0 and not self.pt.waits_take(h.ino):
             await self.store.seal(h.ino, node.size)  # (a take seals)
+        if (self.pod is not None and node is not None and node.nlink > 0 and node.is_reg
+                and h.flags & os.O_ACCMODE != os.O_RDONLY):
+            self.pod.due(h.ino)  # published once its last writer closed (`settled`)
         if node is not None:
             self._maybe_free(node)
+
+    async def settled(self, ino: int) -> Inode | None:
+        """*ino* ready to be published: what the kernel wrote taken, no writer left, still
+        named; else None."""
+        await self.pt.taken(ino)
+        node = self.ns.inodes.get(ino)
+        if (node is None or not node.is_reg or not node.nlink or ino in self.pt.writers
+                or any(h.ino == ino and h.flags & os.O_ACCMODE != os.O_RDONLY
+                       for h in self.handles.values())):
+            return None
+        return node
 
     def _closed(self, h: Handle) -> Inode | None:
         """The bookkeeping of a released handle; returns its inode if it still has one."""

@@ -26,6 +26,10 @@ _INODE = struct.Struct("<IIIIQQqqqQ")
 # checks that such a file has every chunk (a missing one would read as zeros nobody wrote);
 # files written before format 4 never have it.
 DENSE = 1
+# Inode flag (format 4, issue 35): a file found in the pod whose bytes are not fetched yet:
+# it has a size and no chunks. The first open fetches it (kvfs/podfiles.py); a mount drops
+# such inodes, so that a file never reads as the zeros of chunks it does not have.
+REMOTE = 2
 
 
 class NamespaceError(Exception):

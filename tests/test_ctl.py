@@ -51,7 +51,8 @@ def test_where_files_and_directories(kv):
         assert f["summary"]["dram"] == f["summary"]["dirty"] == chunks[n]  # not written back
         assert f["summary"]["nvme"] == 0
     assert out["total"] == {"chunks": 7, "dram": 7, "nvme": 0, "both": 0, "dirty": 7,
-                            "lost": 0, "files": 3, "size": 3 * CHUNK + 5 + 2 * CHUNK + 1}
+                            "lost": 0, "pod": 0, "files": 3,
+                            "size": 3 * CHUNK + 5 + 2 * CHUNK + 1}
     text = ctl("where", "-r", kv.path).stdout.splitlines()
     assert text[-1] == ("total: 3 files, 320.0 KiB, 7 chunks: 7 in DRAM, 0 on NVMe "
                         "(0 in both), 7 dirty, 0 lost")
@@ -64,7 +65,8 @@ def test_where_files_and_directories(kv):
     kv.start()
     out = json.loads(ctl("where", "-r", "--json", kv.path).stdout)
     assert out["total"] | {"size": 0} == {"chunks": 7, "dram": 0, "nvme": 7, "both": 0,
-                                          "dirty": 0, "lost": 0, "files": 3, "size": 0}
+                                          "dirty": 0, "lost": 0, "pod": 0, "files": 3,
+                                          "size": 0}
     # One file: its chunks, as before, and its summary.
     one = json.loads(ctl("where", "--json", kv.path / "d" / "a").stdout)
     assert [c["tiers"] for c in one["chunks"]] == [["nvme"]] * 4

@@ -116,6 +116,16 @@ def print_status(st: dict) -> None:
               f"ahead into memory, {r.get('read_through_buffer_used_chunks', 0)} of them read; "
               f"{r.get('read_through_front_reads', 0)} READs answered from them by the front "
               f"thread")
+    pod = st.get("pod")
+    if pod:
+        print(f"pod {pod['name']!r} at {pod['master']}: "
+              f"{'connected' if pod['connected'] else 'not connected'}, "
+              f"{pod['members'] if pod['members'] is not None else '?'} members; "
+              f"{pod['published_files']} files published ({format_size(pod['published_bytes'])}),"
+              f" {pod['dropped']} dropped; {pod['lookups']} lookups, {pod['hits']} hits "
+              f"(p50 {pod['lookup_p50_us']} us, p99 {pod['lookup_p99_us']} us); "
+              f"{r.get('chunks_from_pod', 0)} chunks fetched ({format_size(pod['fetched_bytes'])});"
+              f" {pod['errors']} errors, {pod['timeouts']} timeouts, {pod['damaged']} damaged")
     pf = st.get("prefetch")
     if pf:
         used, issued = pf.get("used_chunks", 0), pf.get("issued_chunks", 0)
@@ -338,12 +348,12 @@ def print_where(w: dict) -> None:
               f"{c['raw_len']:>9} bytes, stored {c['stored_len']:>9}{flags}")
 
 
-SUMMARY_KEYS = ("chunks", "dram", "nvme", "both", "dirty", "lost")
+SUMMARY_KEYS = ("chunks", "dram", "nvme", "both", "dirty", "lost", "pod")
 
 
 def summarize(chunks: list[dict]) -> dict:
     """Chunk counts of one file: all, with a DRAM copy, with an NVMe copy, with both,
-    dirty (in DRAM only, not yet written back) and lost."""
+    dirty (in DRAM only, not yet written back), lost, and only in the pod (not fetched)."""
     out = dict.fromkeys(SUMMARY_KEYS, 0)
     for c in chunks:
         out["chunks"] += 1
@@ -353,6 +363,7 @@ def summarize(chunks: list[dict]) -> dict:
         out["both"] += dram and nvme
         out["dirty"] += bool(c["dirty"])
         out["lost"] += bool(c["lost"])
+        out["pod"] += "pod" in c["tiers"]
     return out
 
 
@@ -413,7 +424,8 @@ def print_where_summary(files: list[dict], chunks: bool) -> None:
         size += f["size"]
     print(f"total: {len(files)} files, {format_size(size)}, {total['chunks']} chunks: "
           f"{total['dram']} in DRAM, {total['nvme']} on NVMe ({total['both']} in both), "
-          f"{total['dirty']} dirty, {total['lost']} lost")
+          f"{total['dirty']} dirty, {total['lost']} lost"
+          + (f", {total['pod']} only in the pod" if total["pod"] else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,6 +47,11 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dram-compress", action="store_true",
                    help="keep clean DRAM copies compressed too: more KV blocks fit in DRAM, "
                         "and each DRAM hit costs a decode in a worker thread")
+    p.add_argument("--pod", default=None, metavar="HOST:PORT",
+                   help="join the pod whose Mooncake master is at HOST:PORT: files other "
+                        "mounts of it wrote are read here (as -o pod=)")
+    p.add_argument("--pod-name", default=None, metavar="NAME",
+                   help="which pod on that master (as -o pod_name=; default kvfs)")
     p.add_argument("--foreground", "-f", action="store_true",
                    help="stay in the foreground and log to stderr (default: return once the "
                         "mount is ready and log to NVME_DIR/kvfs.log)")
@@ -82,7 +87,12 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                         "(serve the counters of `kvfsctl status` in the Prometheus text "
                         "format at http://ADDR:PORT/metrics; ADDR is 127.0.0.1 unless "
                         "given, e.g. 0.0.0.0:9108; off by default; a port that cannot be "
-                        "bound fails the mount)")
+                        "bound fails the mount), pod=HOST:PORT, pod_name=, "
+                        "pod_segment_size= (memory given to the pod's pool, default 25%% "
+                        "of dram_size), pod_timeout= (most a lookup waits for the pod, "
+                        "default 50ms), pod_metrics=HOST:PORT (the master's metrics port, "
+                        "default its host:9003), pod_replicas= (copies of each published "
+                        "file in the pod, default 2)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -95,6 +105,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if args.chunk_size is not None:
         s.chunk_size = args.chunk_size
         s.extra["chunk_size_given"] = "1"
+    if args.pod is not None:
+        s.pod = args.pod
+    if args.pod_name is not None:
+        s.pod_name = args.pod_name
     apply_options(s, args.options)
     if "chunk_size=" in args.options:
         s.extra["chunk_size_given"] = "1"

@@ -121,6 +121,7 @@ class ChunkStore:
         self.fetch, self.prefetch, self.prefetch_room = f.fetch, f.prefetch, f.prefetch_room
         self.prefetch_limiter, self.prefetched = f.prefetch_limiter, f.prefetched
         self.fetching = f.busy  # is an NVMe read of this chunk in flight?
+        self.nvme_record = f.record  # a chunk's record as stored, checked (for the pod)
         # Big NVMe-resident files are read through the daemon, with read-ahead.
         self.through = ReadThrough(self, chunk_size=chunk_size, dram_size=dram_size,
                                    read_through_min=read_through_min)

@@ -26,7 +26,7 @@ from kvfs.faults import Faults
 from kvfs.store.codec import CODEC_RAW, CodecError
 from kvfs.store.dram import DramFile, pages
 from kvfs.store.location import IN_DRAM, LOST, PACKED, ChunkError, Loc, hash_bytes
-from kvfs.store.nvme import HEADER_SIZE, RecordError, RecordHeader
+from kvfs.store.nvme import HEADER_SIZE, RecordError, RecordHeader, pack_header
 from kvfs.store.readthrough import PROMOTE_SHARE
 
 if TYPE_CHECKING:
@@ -339,6 +339,24 @@ class Fetches:
             self.store.counters.checksum_errors += 1
             raise ChunkError(f"inode {ino} chunk {c}: checksum mismatch in segment "
                              f"{loc.seg}") from None
+
+    async def record(self, ino: int, c: int, loc: Loc) -> bytes | None:
+        """Chunk *c*'s NVMe record as stored (a 64-byte header, then the encoded payload),
+        its bytes decoded and checked first: what the pod publishes, not encoded again. The
+        header's inode, stream and seq are left 0 (they are this mount's). None if the
+        chunk changed meanwhile."""
+        payload = bytearray(loc.stored_len)
+        seg = self.store.nvme.pin(loc.seg)
+        try:
+            await trio.to_thread.run_sync(self.read_record, ino, c, loc, seg, None,
+                                          memoryview(payload), limiter=self.store.limiter)
+        finally:
+            self.store.nvme.unpin(seg)
+        now = self.store.get(ino, c)
+        if now is None or now.seq != loc.seq:
+            return None
+        return pack_header(RecordHeader(loc.codec, 0, 0, c, 0, loc.raw_len, loc.stored_len,
+                                        loc.checksum)) + bytes(payload)
 
     async def unpack(self, ino: int, c: int, loc: Loc) -> bytes | None:
         """Decode (and verify) a packed DRAM copy in a worker; None if the chunk changed

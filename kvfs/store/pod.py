@@ -181,23 +181,26 @@ def records_of(data: bytes, chunk_size: int, codec: Codec,
                hint: str | None = None) -> list[tuple[int, bytes]]:
     """Records of *data* as the store writes them, for publishers that hold only bytes
     (tools, tests): (chunk number, 64-byte header + payload) per chunk."""
-    out = []
-    for c in range(0, (len(data) + chunk_size - 1) // chunk_size):
-        raw = data[c * chunk_size:(c + 1) * chunk_size]
-        used, payload = codec.encode(raw, codec.choose(raw, hint))
-        header = RecordHeader(used, 0, 0, c, 0, len(raw), len(payload), hash_bytes(raw))
-        out.append((c, pack_header(header) + bytes(payload)))
-    return out
+    return [(c, record_of(c, data[c * chunk_size:(c + 1) * chunk_size], codec, hint))
+            for c in range(0, (len(data) + chunk_size - 1) // chunk_size)]
 
 
-def _mooncake_store_class() -> Any:
+def record_of(c: int, raw: bytes, codec: Codec, hint: str | None = None) -> bytes:
+    """Chunk *c*'s record (64-byte header + encoded payload) as the store writes one."""
+    used, payload = codec.encode(raw, codec.choose(raw, hint))
+    header = RecordHeader(used, 0, 0, c, 0, len(raw), len(payload), hash_bytes(raw))
+    return pack_header(header) + bytes(payload)
+
+
+def _mooncake_classes() -> tuple[Any, Any]:
+    """Mooncake's MooncakeDistributedStore and ReplicateConfig."""
     try:
-        from mooncake.store import MooncakeDistributedStore
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
     except ImportError as e:
         raise PodUnavailable(
             f"the pod tier needs Mooncake's client: pip install 'kvfs[pod]' and apt install "
             f"libibverbs1 ({e})") from None
-    return MooncakeDistributedStore
+    return MooncakeDistributedStore, ReplicateConfig
 
 
 def _local_address(host: str, port: int) -> str:
@@ -265,8 +268,12 @@ class Pod:
                  timeout: float = 0.05, codec: Codec | None = None,
                  queue_bytes: int = 256 << 20, max_object: int = 64 << 20,
                  miss_ttl: float = 1.0, hit_ttl: float = 1.0,
-                 metrics: str | None = None) -> None:
-        self.store_class = _mooncake_store_class()
+                 metrics: str | None = None, replicas: int = 2) -> None:
+        self.store_class, config_class = _mooncake_classes()
+        # Copies Mooncake keeps of each object, in as many members' segments: with one, the
+        # objects in a member's segment go with it (half of them, with 2 members).
+        self.replicate = config_class()
+        self.replicate.replica_num = replicas
         # A setup while the master is away retries 20 times at ~4.4 s each in Mooncake
         # (90 s in one call); run() retries every second itself instead.
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
@@ -396,6 +403,15 @@ class Pod:
 
     # -- publishing ---------------------------------------------------------------------
 
+    def can_take(self, nbytes: int) -> bool:
+        """Could a file of *nbytes* (raw: its records are at most that plus headers) be
+        queued now? If not it is counted as dropped, and its caller need not read it."""
+        if self._client is None or nbytes > self.max_object or (
+                self.queued_bytes + nbytes > self.queue_bytes):
+            self.counters.dropped += 1
+            return False
+        return True
+
     def publish(self, path: str, records: Sequence[tuple[int, bytes]], *, version: int,
                 mode: int, size: int, mtime_ns: int, chunk_size: int) -> bool:
         """Queue a complete file for the pod: its records (chunk number, header + payload)
@@ -424,12 +440,13 @@ class Pod:
             off += len(rec)
         client = self._client
         # A file without records (empty, or all holes) is its head alone.
-        rc = client.put_from(self.data_key(job.head), self._publish_buf.addr, off) if off else 0
+        rc = (client.put_from(self.data_key(job.head), self._publish_buf.addr, off,
+                              self.replicate) if off else 0)
         if rc == 0:
             mem[off:off + len(job.head_bytes)] = job.head_bytes
             client.remove(self.head_key(job.head.path), True)  # absent is fine
             rc = client.put_from(self.head_key(job.head.path), self._publish_buf.addr + off,
-                                 len(job.head_bytes))
+                                 len(job.head_bytes), self.replicate)
         if rc != 0:
             self._count("errors")
             log.debug("pod: publishing %r failed (Mooncake returned %d)", job.head.path, rc)
