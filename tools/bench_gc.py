@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import heapq
 import json
 import os
@@ -320,28 +321,41 @@ def run_cell(work: Path, cell: dict, cfg: str, a: argparse.Namespace) -> dict:
                       cell["n_prefix"], cell["n_window"],
                       nvme_size // 2 if cell["rewritten"] else None)
         w.set_records(parse_size(a.chunk_size), compress=True)
-        t0 = time.monotonic()
-        steps = a.warmup * nvme_size / sum(w.recs)
-        while w.record_bytes() < a.warmup * nvme_size or len(w.prefix) < w.n_prefix:
-            w.step(1.25 * w.n_prefix / steps)  # all prefixes by 80% of it
-        st0 = status(m.mnt)
-        w.trace.append(("mark", "start"))
-        base = w.record_bytes()
-        used = []
-        while w.record_bytes() - base < a.overwrites * nvme_size:
-            for _ in range(16):
-                w.step()
+        try:
+            return _run_cell(m, w, cfg, a)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
             sv = os.statvfs(m.mnt)
-            used.append(1 - sv.f_bavail / sv.f_blocks)
-        st1 = status(m.mnt)
-        w.trace.append(("mark", "end"))
-        du = st1["gc"]["user_bytes_written"] - st0["gc"]["user_bytes_written"]
-        dg = st1["gc"]["gc_bytes_written"] - st0["gc"]["gc_bytes_written"]
-        verified = _verify(w)
-        return {"config": cfg, "wa": _wa(du, dg), "user_mib": round(du / MIB, 1),
-                "util_mean": round(statistics.mean(used), 3), "verified_files": verified,
-                "seconds": round(time.monotonic() - t0, 1), "trace": w.trace,
-                "placement": st1.get("placement", {}).get("decisions")}
+            return {"config": cfg, "wa": None,
+                    "error": f"ENOSPC after {w.record_bytes() / MIB:.0f} MiB of records, "
+                             f"{1 - sv.f_bavail / sv.f_blocks:.3f} of the capacity used"}
+
+
+def _run_cell(m: Mount, w: FifoChurn, cfg: str, a: argparse.Namespace) -> dict:
+    nvme_size = parse_size(a.nvme_size)
+    t0 = time.monotonic()
+    steps = a.warmup * nvme_size / sum(w.recs)
+    while w.record_bytes() < a.warmup * nvme_size or len(w.prefix) < w.n_prefix:
+        w.step(1.25 * w.n_prefix / steps)  # all prefixes by 80% of it
+    st0 = status(m.mnt)
+    w.trace.append(("mark", "start"))
+    base = w.record_bytes()
+    used = []
+    while w.record_bytes() - base < a.overwrites * nvme_size:
+        for _ in range(16):
+            w.step()
+        sv = os.statvfs(m.mnt)
+        used.append(1 - sv.f_bavail / sv.f_blocks)
+    st1 = status(m.mnt)
+    w.trace.append(("mark", "end"))
+    du = st1["gc"]["user_bytes_written"] - st0["gc"]["user_bytes_written"]
+    dg = st1["gc"]["gc_bytes_written"] - st0["gc"]["gc_bytes_written"]
+    verified = _verify(w)
+    return {"config": cfg, "wa": _wa(du, dg), "user_mib": round(du / MIB, 1),
+            "util_mean": round(statistics.mean(used), 3), "verified_files": verified,
+            "seconds": round(time.monotonic() - t0, 1), "trace": w.trace,
+            "placement": st1.get("placement", {}).get("decisions")}
 
 
 def sweep(work: Path, a: argparse.Namespace) -> list[dict]:
@@ -375,7 +389,7 @@ def sweep(work: Path, a: argparse.Namespace) -> list[dict]:
                         print(f"... {data} live {live:.0%} window {window:.0%} {prefixes}: "
                               f"{cfg}", flush=True)
                         r = run_cell(work, cell, cfg, a)
-                        trace = r.pop("trace")
+                        trace = r.pop("trace") if "error" not in r else trace
                         cell[cfg] = r
                     if trace is not None:
                         cell.update(_models(trace, a))
@@ -427,7 +441,8 @@ def sweep_report(rows: list[dict], a: argparse.Namespace) -> list[dict]:
                 goal(f"{k}<=one", wa[k] <= o)
         if d is not None and h is not None:
             goal("hinted<=default", h <= d)
-        print(head + " ".join(f"{wa[k]:>8.3f}" if wa.get(k) is not None else f"{'-':>8}"
+        print(head + " ".join(f"{wa[k]:>8.3f}" if wa.get(k) is not None else
+                              f"{'ENOSPC' if 'error' in c.get(k, {}) else '-':>8}"
                               for k in cfgs) +
               f" {_fmt(floor):>7} {_fmt(c.get('model_one')):>7}  "
               + (", ".join(missed) or "-"))
