@@ -153,7 +153,7 @@ class Blocks:
         with open(path, "wb") as f:
             f.write(data)
         self.expected[path] = fid
-        self.trace.append(("w", fid, self.block, self.recs))
+        self.trace.append(("w", fid, self.block, self.recs, path.parent.name))
         self.files_written += 1
         self.bytes_written += self.block
 
@@ -406,10 +406,12 @@ def sweep_report(rows: list[dict], a: argparse.Namespace) -> list[dict]:
           f"dram {a.dram_size}, chunk {a.chunk_size}, block {a.block}; live = share of the "
           f"capacity statvfs reports, window = share of the tier; {a.overwrites} tier "
           f"overwrites measured after {a.warmup} of warm-up; WAF (floor: offline, perfect "
-          f"death times; model1: the same model as one log, a check against `one`)")
+          f"death times; modelcl: the same model knowing only each file's directory, as a "
+          f"perfect hint would; model1: the same model as one log, a check against `one`)")
     cfgs = a.sweep_configs.split(",")
     print(f"{'data':14} {'live':>4} {'window':>6} {'prefixes':9} " +
-          " ".join(f"{c:>8}" for c in cfgs) + f" {'floor':>7} {'model1':>7}  goals missed")
+          " ".join(f"{c:>8}" for c in cfgs) + f" {'floor':>7} {'modelcl':>7} {'model1':>7}  "
+          "goals missed")
     checks = []
     for c in rows:
         head = (f"{c['data']:14} {c['live']:>4.0%} {c['window']:>6.0%} {c['prefixes']:9} ")
@@ -444,7 +446,8 @@ def sweep_report(rows: list[dict], a: argparse.Namespace) -> list[dict]:
         print(head + " ".join(f"{wa[k]:>8.3f}" if wa.get(k) is not None else
                               f"{'ENOSPC' if 'error' in c.get(k, {}) else '-':>8}"
                               for k in cfgs) +
-              f" {_fmt(floor):>7} {_fmt(c.get('model_one')):>7}  "
+              f" {_fmt(floor):>7} {_fmt(c.get('model_classes')):>7} "
+              f"{_fmt(c.get('model_one')):>7}  "
               + (", ".join(missed) or "-"))
     n_pass = sum(ch["pass"] for ch in checks)
     print(f"\ngoals met: {n_pass} of {len(checks)}")
@@ -541,7 +544,8 @@ def _models(trace: list[tuple], a: argparse.Namespace) -> dict:
     """The offline floor of *trace* and the model's one-stream log (a check of the model
     against kvfs's own `off`), over the measured window."""
     out = {}
-    for name, placement in (("floor", "floor"), ("model_one", "one")):
+    for name, placement in (("floor", "floor"), ("model_classes", "classes"),
+                            ("model_one", "one")):
         r = simulate(trace, nvme_size=parse_size(a.nvme_size),
                      segment_size=parse_size(a.segment_size),
                      dram_size=parse_size(a.dram_size), placement=placement)

@@ -1,7 +1,8 @@
 """An offline model of kvfs's NVMe segment log, for tools/bench_gc.py: the write-amplification
 floor of a write/delete sequence.
 
-The sequence is a benchmark's file-level trace: ("w", file id, bytes, chunk record lengths) and
+The sequence is a benchmark's file-level trace: ("w", file id, bytes, chunk record lengths,
+class) and
 ("d", file id), in the order the benchmark made them. A FIFO model of the DRAM tier turns it
 into NVMe appends and deaths (a file deleted while all of it is still in DRAM never reaches
 NVMe; kvfs demotes from 90% of the DRAM tier down to 75%, oldest write first, which is what its
@@ -23,7 +24,14 @@ Placements:
             when a user append finds no segment (on demand: victims as dead as they will
             get, but copies interleaved with user records). Each class's open segment takes
             room, so with little slack fewer, wider classes can win: the floor is the
-            lowest WAF of the six runs.
+            lowest WAF of these six runs and of the two `classes` runs below (whoever
+            knows the death times knows the classes too).
+    classes knows only each file's class as the trace gives it (the directory: what a
+            perfect `user.kvfs.lifetime` hint says), no death times: one open segment per
+            class, and one per class for the cleaner's copies; cleaned as kvfs does, or on
+            demand, the better of the two. What an online placement that never mixes
+            classes gets with this cleaner: the bar for `hinted` when the floor's grouping
+            by death time cannot be had online (memoryless deaths: DESIGN.md).
     one     one open segment for everything (kvfs streams=1): a check of the model against
             kvfs's own one-stream figure in the same run.
 
@@ -71,7 +79,7 @@ class Result:
 
 
 def nvme_events(trace: list[tuple], dram_size: int) -> list[tuple]:
-    """The DRAM tier as a FIFO: ("w", fid, [record lengths]) when a file leaves DRAM,
+    """The DRAM tier as a FIFO: ("w", fid, [record lengths], class) when a file leaves DRAM,
     ("d", fid) when a file that reached NVMe dies, ("mark", name) passed through."""
     out: list[tuple] = []
     in_dram: dict[int, tuple[int, list[int]]] = {}  # insertion order = write order
@@ -79,16 +87,16 @@ def nvme_events(trace: list[tuple], dram_size: int) -> list[tuple]:
     load = 0
     for ev in trace:
         if ev[0] == "w":
-            _, fid, nbytes, recs = ev
-            in_dram[fid] = (nbytes, recs)
+            _, fid, nbytes, recs, cls = ev
+            in_dram[fid] = (nbytes, recs, cls)
             load += nbytes
             if load > DRAM_HIGH * dram_size:
                 while in_dram and load > DRAM_LOW * dram_size:
                     old = next(iter(in_dram))
-                    ob, orecs = in_dram.pop(old)
+                    ob, orecs, ocls = in_dram.pop(old)
                     load -= ob
                     on_nvme.add(old)
-                    out.append(("w", old, orecs))
+                    out.append(("w", old, orecs, ocls))
         elif ev[0] == "d":
             fid = ev[1]
             if fid in in_dram:
@@ -118,6 +126,7 @@ class LogModel:
         self.last_append: dict[object, int] = {}
         self.where: dict[tuple[int, int], tuple[int, int]] = {}  # record -> (segment, length)
         self.death: dict[int, float] = {}  # fid -> user clock at death
+        self.cls_of: dict[int, object] = {}  # fid -> the class the trace gave its file
         self.next_sid = 1
         self.user = 0  # user record bytes appended (the clock of lifetimes)
         self.written = 0  # all record bytes appended (the cleaner's clock of ages)
@@ -126,9 +135,11 @@ class LogModel:
         self.peak_open = 0
 
     # -- placement ---------------------------------------------------------------------------
-    def _class(self, fid: int) -> object:
+    def _class(self, fid: int, for_gc: bool) -> object:
         if self.placement == "one":
             return 0
+        if self.placement == "classes":
+            return (self.cls_of.get(fid), for_gc)
         d = self.death.get(fid, IMMORTAL)
         if d == IMMORTAL:
             return "immortal"
@@ -140,7 +151,7 @@ class LogModel:
         return self.max_segments - len(self.segs)
 
     def _append(self, key: tuple[int, int], rec_len: int, *, for_gc: bool) -> None:
-        cls = self._class(key[0])
+        cls = self._class(key[0], for_gc)
         seg = self.open.get(cls)
         if seg is not None and seg.fill + rec_len > self.size:
             del self.open[cls]
@@ -218,9 +229,8 @@ class LogModel:
 
 def simulate(trace: list[tuple], *, nvme_size: int, segment_size: int, dram_size: int,
              placement: str = "floor", start: str = "start", end: str = "end") -> Result:
-    """WAF of *trace* between its ("mark", start) and ("mark", end) events. The floor is the
-    best of its placements with classes of remaining lifetime a factor 2, 4 or 16 wide, each
-    cleaned as kvfs does and cleaned on demand only; `one` is cleaned as kvfs does."""
+    """WAF of *trace* between its ("mark", start) and ("mark", end) events, for *placement*
+    (floor, classes or one: see the module's docstring)."""
     events = nvme_events(trace, dram_size)
     death: dict[int, float] = {}
     nrec: dict[int, int] = {}
@@ -232,11 +242,16 @@ def simulate(trace: list[tuple], *, nvme_size: int, segment_size: int, dram_size
         elif ev[0] == "d":
             death[ev[1]] = clock
     best = None
-    variants = [(b, e) for b in (2.0, 4.0, 16.0) for e in (True, False)] \
-        if placement == "floor" else [(2.0, True)]
-    for base, eager in variants:
-        r = _run(events, death, nrec,
-                 LogModel(nvme_size, segment_size, placement, base, eager), start, end)
+    if placement == "floor":  # knowing the death times, it may also place by class
+        variants = [("floor", b, e) for b in (2.0, 4.0, 16.0) for e in (True, False)] + \
+            [("classes", 2.0, True), ("classes", 2.0, False)]
+    elif placement == "classes":
+        variants = [("classes", 2.0, True), ("classes", 2.0, False)]
+    else:
+        variants = [(placement, 2.0, True)]
+    for how, base, eager in variants:
+        r = _run(events, death, nrec, LogModel(nvme_size, segment_size, how, base, eager),
+                 start, end)
         if best is None or (r.wa or 0) < (best.wa or 0):
             best = r
     return best
@@ -245,6 +260,7 @@ def simulate(trace: list[tuple], *, nvme_size: int, segment_size: int, dram_size
 def _run(events: list[tuple], death: dict, nrec: dict, m: LogModel, start: str,
          end: str) -> Result:
     m.death = death
+    m.cls_of = {ev[1]: ev[3] for ev in events if ev[0] == "w"}
     at: dict[str, tuple[int, int]] = {}
     for ev in events:
         if ev[0] == "w":
