@@ -355,7 +355,11 @@ def _run_cell(m: Mount, w: FifoChurn, cfg: str, a: argparse.Namespace) -> dict:
     return {"config": cfg, "wa": _wa(du, dg), "user_mib": round(du / MIB, 1),
             "util_mean": round(statistics.mean(used), 3), "verified_files": verified,
             "seconds": round(time.monotonic() - t0, 1), "trace": w.trace,
-            "placement": st1.get("placement", {}).get("decisions")}
+            "placement": st1.get("placement", {}).get("decisions"),
+            "victims": st1["gc"]["victims"], "passes": st1["gc"]["passes"],
+            "streams": {k: {"user_mib": round(v["user_bytes_written"] / MIB, 1),
+                            "gc_out_mib": round(v["gc_bytes_copied_out"] / MIB, 1)}
+                        for k, v in st1["streams"].items()}}
 
 
 def sweep(work: Path, a: argparse.Namespace) -> list[dict]:
