@@ -34,7 +34,9 @@ Which class a file's records get, first match wins:
    request window of 5% or of 70% of the tier is `short` beside prefixes that live for
    tiers, and the prefixes are `long` as soon as they have outlived a few windows. The
    nearest ancestor directory (parent first, root last) with MIN_SAMPLES observations decides.
-3. Otherwise `medium`.
+3. Otherwise (no directory of the chain decided yet) `medium` or `long`: undecided
+   directories take them in turn, in the order they first write to NVMe, so that two
+   directories are not mixed while their lifetimes are being learned.
 
 Lifetimes are measured on a byte clock (user record bytes written to NVMe), not wall time:
 what matters for cleaning is how much was written while a record lived.
@@ -239,6 +241,8 @@ class LifetimeClassifier:
         self._watch: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()
         self._dirs: OrderedDict[int, _DirStats] = OrderedDict()
         self._bad_values: set[bytes] = set()
+        self._unknown: OrderedDict[int, int] = OrderedDict()  # directory -> _unknown_class slot
+        self._next_unknown = 0
         # log2 of the shortest typical lifetime among consistent directories (None: none yet),
         # recomputed after RESCALE_EVERY outcomes
         self._scale: float | None = None
@@ -279,7 +283,19 @@ class LifetimeClassifier:
                 self.decisions["learned"] += 1
                 return verdict
         self.decisions["default"] += 1
-        return "medium"
+        return self._unknown_class(chain[0] if chain else ino)
+
+    def _unknown_class(self, d: int) -> str:
+        """Directories not decided yet take `medium` and `long` in turn, in the order their
+        files first reach NVMe: two directories whose lifetimes turn out to differ (requests
+        and prefixes) are kept apart from their first records, before anything is known."""
+        slot = self._unknown.get(d)
+        if slot is None:
+            if len(self._unknown) >= MAX_DIRS:
+                self._unknown.popitem(last=False)
+            slot = self._unknown[d] = self._next_unknown
+            self._next_unknown ^= 1
+        return ("medium", "long")[slot]
 
     def _verdict(self, st: _DirStats) -> str | None:
         kind = st.kind()

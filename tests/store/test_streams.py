@@ -182,6 +182,17 @@ def test_request_window_is_short_beside_prefixes_whatever_its_size(window_share)
     assert c.stream_of(ns.add(ino + 3, 2)) != c.stream_of(ns.add(ino + 4, 3))
 
 
+def test_undecided_directories_are_kept_apart():
+    """Issue 37: before anything is known, the records of two directories go to different
+    streams (they were all `medium`, so requests and prefixes shared segments until the
+    requests' lifetimes were learned); a third shares one of them."""
+    ns, clock, c = _classifier()
+    first, second, third = ns.add(10, 3), ns.add(11, 2), ns.add(12, 4)
+    assert c.classify(first) == "medium" and c.classify(second) == "long"
+    assert c.stream_of(ns.add(13, 3)) != c.stream_of(ns.add(14, 2))
+    assert c.classify(third) == "medium"
+
+
 def test_hints_win_over_what_was_learned():
     """A hint on a directory decides its files' class even where learning says otherwise."""
     ns, clock, c = _classifier()
