@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import heapq
 import json
 import os
@@ -58,13 +59,16 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from kvfs.store.codec import Codec, CodecPolicy  # noqa: E402
 from kvfs.store.dram import remove_dram_dir  # noqa: E402
+from kvfs.store.nvme import record_length  # noqa: E402
+from tools.gcfloor import simulate  # noqa: E402
 
 KVFS = [sys.executable, "-m", "kvfs"]
 MIB = 1 << 20
@@ -116,15 +120,71 @@ class Mount:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
-class Churn:
+class Blocks:
+    """Block files with checkable contents, and the trace of their writes and deletes
+    (tools/gcfloor.py replays it)."""
+
+    def __init__(self, mnt: Path, block: int, seed: int, compressible: bool = False) -> None:
+        self.mnt = mnt
+        self.block = block
+        self.rng = random.Random(seed)
+        self.pool = [block_bytes(random.Random(seed * 1000 + i), block, compressible)
+                     for i in range(32)]
+        self.recs: list[int] = []  # record lengths of one block file on NVMe (set_records)
+        self.trace: list[tuple] = []
+        self.expected: dict[Path, int] = {}
+        self.next_id = 0
+        self.files_written = 0
+        self.bytes_written = 0
+
+    def set_records(self, chunk: int, compress: bool) -> None:
+        """What one block file takes on NVMe: its chunks' records, compressed as kvfs would."""
+        codec = Codec(CodecPolicy(enabled=compress, verify=False))
+        data = self.pool[0]
+        kind = codec.choose(data[:chunk], None)
+        self.recs = [record_length(len(codec.encode(data[o:o + chunk], kind)[1]))
+                     for o in range(0, len(data), chunk)]
+
+    def _write(self, path: Path) -> None:
+        fid = self.next_id
+        self.next_id += 1
+        data = bytearray(self.pool[fid % len(self.pool)])
+        data[:16] = fid.to_bytes(8, "little") + len(path.name).to_bytes(8, "little")
+        with open(path, "wb") as f:
+            f.write(data)
+        self.expected[path] = fid
+        self.trace.append(("w", fid, self.block, self.recs, path.parent.name))
+        self.files_written += 1
+        self.bytes_written += self.block
+
+    def expected_bytes(self, path: Path) -> bytes:
+        fid = self.expected[path]
+        data = bytearray(self.pool[fid % len(self.pool)])
+        data[:16] = fid.to_bytes(8, "little") + len(path.name).to_bytes(8, "little")
+        return bytes(data)
+
+    def _delete(self, path: Path) -> None:
+        os.unlink(path)
+        self.trace.append(("d", self.expected.pop(path)))
+
+
+def block_bytes(rng: random.Random, n: int, compressible: bool) -> bytes:
+    """Random bytes, or fp16-like ones: random low bytes, high bytes (sign and exponent)
+    from eight values, which kvfs's codec stores in about 0.7 of the size."""
+    if not compressible:
+        return rng.randbytes(n)
+    out = bytearray(n)
+    out[0::2] = rng.randbytes(n // 2)
+    out[1::2] = rng.randbytes(n // 2).translate(bytes(0x38 + (i & 7) for i in range(256)))
+    return bytes(out)
+
+
+class Churn(Blocks):
     """The KV-block workload: per-request blocks and LRU-managed shared prefixes."""
 
     def __init__(self, mnt: Path, capacity: int, util: float, block: int, seed: int,
                  window: float = SHORT_WINDOW, prefix_share: float = PREFIX_SHARE) -> None:
-        self.mnt = mnt
-        self.block = block
-        self.rng = random.Random(seed)
-        self.pool = [random.Random(seed * 1000 + i).randbytes(block) for i in range(32)]
+        super().__init__(mnt, block, seed)
         self.req_dir = mnt / "req"
         self.prefix_dir = mnt / "prefix"
         req_bytes = 4 * block  # mean blocks per request: 4
@@ -138,35 +198,10 @@ class Churn:
         self.min_budget = 4 * prefix_bytes
         self.p_prefix = prefix_share * req_bytes / ((1 - prefix_share) * prefix_bytes)
         self.active: list = []  # heap of (end step, request step, [paths])
-        self.expected: dict[Path, int] = {}
         self.prefixes: OrderedDict[int, tuple[list[Path], float]] = OrderedDict()
         self.prefix_bytes = 0
         self.step = 0
         self.next_prefix = 0
-        self.next_id = 0
-        self.files_written = 0
-        self.bytes_written = 0
-
-    def _write(self, path: Path) -> None:
-        fid = self.next_id
-        self.next_id += 1
-        data = bytearray(self.pool[fid % len(self.pool)])
-        data[:16] = fid.to_bytes(8, "little") + len(path.name).to_bytes(8, "little")
-        with open(path, "wb") as f:
-            f.write(data)
-        self.expected[path] = fid
-        self.files_written += 1
-        self.bytes_written += self.block
-
-    def expected_bytes(self, path: Path) -> bytes:
-        fid = self.expected[path]
-        data = bytearray(self.pool[fid % len(self.pool)])
-        data[:16] = fid.to_bytes(8, "little") + len(path.name).to_bytes(8, "little")
-        return bytes(data)
-
-    def _delete(self, path: Path) -> None:
-        os.unlink(path)
-        del self.expected[path]
 
     def new_prefix(self) -> None:
         pid = self.next_prefix
@@ -215,6 +250,214 @@ class Churn:
             self.new_prefix()
 
 
+class FifoChurn(Blocks):
+    """The sweep's workload (issue 37): a set of prefix blocks in prefix/ that lives for the
+    whole run, static or with a tenth of it rewritten (deleted, written anew under another
+    name) every half tier of writes, beside a first-in-first-out window of per-request
+    blocks in req/: each step writes one and deletes the oldest beyond the window. The
+    prefixes are written during the warm-up, among the requests (prompts come with traffic),
+    so that a log that does not tell them apart mixes them with request blocks."""
+
+    def __init__(self, mnt: Path, block: int, seed: int, compressible: bool, n_prefix: int,
+                 n_window: int, rewrite_every: int | None) -> None:
+        super().__init__(mnt, block, seed, compressible)
+        self.n_prefix = n_prefix
+        self.n_window = n_window
+        self.rewrite_every = rewrite_every
+        self.prefix: list[Path] = []
+        self.window: deque[Path] = deque()
+        self.next_name = 0
+        self.since_rewrite = 0
+        self.since_prefix = 0.0
+
+    def record_bytes(self) -> int:
+        return self.files_written * sum(self.recs)
+
+    def _new(self, directory: str) -> Path:
+        self.next_name += 1
+        p = self.mnt / directory / f"b{self.next_name}"
+        self._write(p)
+        return p
+
+    def step(self, new_prefixes: float = 0.0) -> None:
+        """One request; and *new_prefixes* prefix blocks on average, while there are fewer
+        than n_prefix."""
+        self.since_prefix += new_prefixes
+        while self.since_prefix >= 1 and len(self.prefix) < self.n_prefix:
+            self.since_prefix -= 1
+            self.prefix.append(self._new("prefix"))
+        self.window.append(self._new("req"))
+        if len(self.window) > self.n_window:
+            self._delete(self.window.popleft())
+        if self.rewrite_every is None:
+            return
+        self.since_rewrite += sum(self.recs)
+        if self.since_rewrite >= self.rewrite_every:
+            self.since_rewrite = 0
+            for i in self.rng.sample(range(len(self.prefix)), max(1, len(self.prefix) // 10)):
+                self._delete(self.prefix[i])
+                self.prefix[i] = self._new("prefix")
+
+
+SWEEP_CONFIGS = {"default": {"streams": 4}, "hinted": {"streams": 4}, "one": {"streams": 1}}
+
+
+def sweep_options(a: argparse.Namespace, cfg: str) -> dict:
+    return {"dram_size": a.dram_size, "nvme_size": a.nvme_size, "chunk_size": a.chunk_size,
+            "segment_size": a.segment_size, "compress": "true", **SWEEP_CONFIGS[cfg]}
+
+
+def run_cell(work: Path, cell: dict, cfg: str, a: argparse.Namespace) -> dict:
+    """One configuration on one cell of the sweep: kvfs's WAF over the measured window, and
+    the trace (the same for every configuration of the cell: nothing in it depends on kvfs)."""
+    nvme_size = parse_size(a.nvme_size)
+    with Mount(work, sweep_options(a, cfg)) as m:
+        (m.mnt / "req").mkdir()
+        (m.mnt / "prefix").mkdir()
+        if cfg == "hinted":
+            os.setxattr(m.mnt / "req", "user.kvfs.lifetime", b"short")
+            os.setxattr(m.mnt / "prefix", "user.kvfs.lifetime", b"long")
+        w = FifoChurn(m.mnt, parse_size(a.block), a.seed, cell["compressible"],
+                      cell["n_prefix"], cell["n_window"],
+                      nvme_size // 2 if cell["rewritten"] else None)
+        w.set_records(parse_size(a.chunk_size), compress=True)
+        try:
+            return _run_cell(m, w, cfg, a)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            sv = os.statvfs(m.mnt)
+            return {"config": cfg, "wa": None,
+                    "error": f"ENOSPC after {w.record_bytes() / MIB:.0f} MiB of records, "
+                             f"{1 - sv.f_bavail / sv.f_blocks:.3f} of the capacity used"}
+
+
+def _run_cell(m: Mount, w: FifoChurn, cfg: str, a: argparse.Namespace) -> dict:
+    nvme_size = parse_size(a.nvme_size)
+    t0 = time.monotonic()
+    steps = a.warmup * nvme_size / sum(w.recs)
+    while w.record_bytes() < a.warmup * nvme_size or len(w.prefix) < w.n_prefix:
+        w.step(1.25 * w.n_prefix / steps)  # all prefixes by 80% of it
+    st0 = status(m.mnt)
+    w.trace.append(("mark", "start"))
+    base = w.record_bytes()
+    used = []
+    while w.record_bytes() - base < a.overwrites * nvme_size:
+        for _ in range(16):
+            w.step()
+        sv = os.statvfs(m.mnt)
+        used.append(1 - sv.f_bavail / sv.f_blocks)
+    st1 = status(m.mnt)
+    w.trace.append(("mark", "end"))
+    du = st1["gc"]["user_bytes_written"] - st0["gc"]["user_bytes_written"]
+    dg = st1["gc"]["gc_bytes_written"] - st0["gc"]["gc_bytes_written"]
+    verified = _verify(w)
+    return {"config": cfg, "wa": _wa(du, dg), "user_mib": round(du / MIB, 1),
+            "util_mean": round(statistics.mean(used), 3), "verified_files": verified,
+            "seconds": round(time.monotonic() - t0, 1), "trace": w.trace,
+            "placement": st1.get("placement", {}).get("decisions"),
+            "victims": st1["gc"]["victims"], "passes": st1["gc"]["passes"],
+            "streams": {k: {"user_mib": round(v["user_bytes_written"] / MIB, 1),
+                            "gc_out_mib": round(v["gc_bytes_copied_out"] / MIB, 1)}
+                        for k, v in st1["streams"].items()}}
+
+
+def sweep(work: Path, a: argparse.Namespace) -> list[dict]:
+    """Every cell of the grid: kvfs default, hinted, one stream; the floor and the model's
+    one-stream log from the cell's trace."""
+    with Mount(work, sweep_options(a, "default")) as m:
+        sv = os.statvfs(m.mnt)
+        capacity = sv.f_blocks * sv.f_frsize
+    nvme_size = parse_size(a.nvme_size)
+    rows = []
+    for data in a.sweep_data.split(","):
+        probe = Blocks(Path("."), parse_size(a.block), a.seed, data == "compressible")
+        probe.set_records(parse_size(a.chunk_size), compress=True)
+        per_file = sum(probe.recs)
+        for live in (int(x) / 100 for x in a.sweep_live.split(",")):
+            for window in (int(x) / 100 for x in a.sweep_windows.split(",")):
+                for prefixes in a.sweep_prefixes.split(","):
+                    n_window = max(1, round(window * nvme_size / per_file))
+                    n_prefix = int(live * capacity / per_file) - n_window
+                    cell = {"data": data, "live": live, "window": window,
+                            "prefixes": prefixes, "rewritten": prefixes == "rewritten",
+                            "compressible": data == "compressible",
+                            "n_window": n_window, "n_prefix": n_prefix,
+                            "record_bytes_per_file": per_file, "capacity_bytes": capacity}
+                    if n_prefix < 10:
+                        cell["skipped"] = "the window alone is more than the live data"
+                        rows.append(cell)
+                        continue
+                    trace = None
+                    for cfg in a.sweep_configs.split(","):
+                        print(f"... {data} live {live:.0%} window {window:.0%} {prefixes}: "
+                              f"{cfg}", flush=True)
+                        r = run_cell(work, cell, cfg, a)
+                        trace = r.pop("trace") if "error" not in r else trace
+                        cell[cfg] = r
+                    if trace is not None:
+                        cell.update(_models(trace, a))
+                    rows.append(cell)
+    return rows
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def sweep_report(rows: list[dict], a: argparse.Namespace) -> list[dict]:
+    print(f"\nkvfs placement sweep (issue 37): nvme {a.nvme_size}, segments {a.segment_size}, "
+          f"dram {a.dram_size}, chunk {a.chunk_size}, block {a.block}; live = share of the "
+          f"capacity statvfs reports, window = share of the tier; {a.overwrites} tier "
+          f"overwrites measured after {a.warmup} of warm-up; WAF (floor: offline, perfect "
+          f"death times; modelcl: the same model knowing only each file's directory, as a "
+          f"perfect hint would; model1: the same model as one log, a check against `one`)")
+    cfgs = a.sweep_configs.split(",")
+    print(f"{'data':14} {'live':>4} {'window':>6} {'prefixes':9} " +
+          " ".join(f"{c:>8}" for c in cfgs) + f" {'floor':>7} {'modelcl':>7} {'model1':>7}  "
+          "goals missed")
+    checks = []
+    for c in rows:
+        head = (f"{c['data']:14} {c['live']:>4.0%} {c['window']:>6.0%} {c['prefixes']:9} ")
+        if "skipped" in c:
+            print(head + "  (skipped: " + c["skipped"] + ")")
+            continue
+        wa = {k: c[k]["wa"] for k in cfgs if k in c}
+        floor = c.get("floor")
+        missed = []
+
+        def goal(name: str, ok: bool | None, c=c, missed=missed) -> None:
+            checks.append({"cell": f"{c['data']} live {c['live']:.0%} window "
+                                   f"{c['window']:.0%} {c['prefixes']}",
+                           "goal": name, "pass": bool(ok)})
+            if not ok:
+                missed.append(name)
+
+        d, h, o = wa.get("default"), wa.get("hinted"), wa.get("one")
+        if not c["rewritten"]:
+            for k in ("default", "hinted"):
+                if wa.get(k) is not None:
+                    goal(f"{k}<=1.05", wa[k] <= 1.05)
+        if floor and d is not None:
+            goal("default<=1.15xfloor", d <= 1.15 * floor)
+        if floor and h is not None:
+            goal("hinted<=1.05xfloor", h <= 1.05 * floor)
+        for k in ("default", "hinted"):
+            if wa.get(k) is not None and o is not None:
+                goal(f"{k}<=one", wa[k] <= o)
+        if d is not None and h is not None:
+            goal("hinted<=default", h <= d)
+        print(head + " ".join(f"{wa[k]:>8.3f}" if wa.get(k) is not None else
+                              f"{'ENOSPC' if 'error' in c.get(k, {}) else '-':>8}"
+                              for k in cfgs) +
+              f" {_fmt(floor):>7} {_fmt(c.get('model_classes')):>7} "
+              f"{_fmt(c.get('model_one')):>7}  "
+              + (", ".join(missed) or "-"))
+    n_pass = sum(ch["pass"] for ch in checks)
+    print(f"\ngoals met: {n_pass} of {len(checks)}")
+    return checks
+
+
 def _wa(d_user: int, d_gc: int) -> float | None:
     return round((d_user + d_gc) / d_user, 4) if d_user else None
 
@@ -234,6 +477,7 @@ def run_config(work: Path, name: str, util: float, a: argparse.Namespace,
         sv = os.statvfs(m.mnt)
         capacity = sv.f_blocks * sv.f_frsize
         w = Churn(m.mnt, capacity, util, parse_size(a.block), a.seed, a.window, a.prefix_share)
+        w.set_records(parse_size(a.chunk_size), compress=False)
         t0 = time.monotonic()
         while True:  # warm-up 1: the shared prefixes exist
             sv = os.statvfs(m.mnt)
@@ -247,6 +491,7 @@ def run_config(work: Path, name: str, util: float, a: argparse.Namespace,
             sv = os.statvfs(m.mnt)
             w.steer(1 - sv.f_bavail / sv.f_blocks)
         st0 = status(m.mnt)
+        w.trace.append(("mark", "start"))
         t1 = time.monotonic()
         utils = []
         target = st0["gc"]["user_bytes_written"] + a.overwrites * nvme_size
@@ -264,6 +509,7 @@ def run_config(work: Path, name: str, util: float, a: argparse.Namespace,
                 break
         t2 = time.monotonic()
         st1 = status(m.mnt)
+        w.trace.append(("mark", "end"))
         g0, g1 = st0["gc"], st1["gc"]
         du = g1["user_bytes_written"] - g0["user_bytes_written"]
         dg = g1["gc_bytes_written"] - g0["gc_bytes_written"]
@@ -294,6 +540,21 @@ def run_config(work: Path, name: str, util: float, a: argparse.Namespace,
         if latency:
             out["latency"] = _latency(m, w, lat_churn, a.latency_reads)
         out["verified_files"] = _verify(w)
+    out.update(_models(w.trace, a))
+    return out
+
+
+def _models(trace: list[tuple], a: argparse.Namespace) -> dict:
+    """The offline floor of *trace* and the model's one-stream log (a check of the model
+    against kvfs's own `off`), over the measured window."""
+    out = {}
+    for name, placement in (("floor", "floor"), ("model_classes", "classes"),
+                            ("model_one", "one")):
+        r = simulate(trace, nvme_size=parse_size(a.nvme_size),
+                     segment_size=parse_size(a.segment_size),
+                     dram_size=parse_size(a.dram_size), placement=placement)
+        out[name] = r.wa
+        out[name + "_user_mib"] = round(r.user_bytes / MIB, 1)
     return out
 
 
@@ -422,13 +683,14 @@ def report(results: list[dict], args) -> list[dict]:
           f"dram {args.dram_size}, chunk {args.chunk_size}, block {args.block}, "
           f"{args.overwrites} tier overwrites measured after {args.warmup} of warm-up")
     print(f"{'util':>5} {'config':7} {'util mean(min-max)':>20} {'user MiB':>9} {'gc MiB':>8} "
-          f"{'WA':>7} {'per stream WA (user MiB)':<52} {'time':>6}")
+          f"{'WA':>7} {'floor':>6} {'model1':>6} {'per stream WA (user MiB)':<52} {'time':>6}")
     for r in results:
         per = ", ".join(f"{k} {v['wa'] if v['wa'] is not None else '-'} ({v['user_mib']:.0f})"
                         for k, v in r["streams"].items() if v["user_mib"] or v["gc_in_mib"])
         print(f"{int(r['util_target'] * 100):>4}% {r['config']:7} "
               f"{r['util_mean']:>8.3f} ({r['util_min']:.2f}-{r['util_max']:.2f}) "
-              f"{r['user_mib']:>9.1f} {r['gc_mib']:>8.1f} {r['wa']:>7.4f} {per:<52} "
+              f"{r['user_mib']:>9.1f} {r['gc_mib']:>8.1f} {r['wa']:>7.4f} {r['floor']:>6.3f} "
+              f"{r['model_one']:>6.3f} {per:<52} "
               f"{r['warmup_s'] + r['measured_s']:>5.0f}s")
     checks = []
     by = {(r["config"], r["util_target"]): r for r in results}
@@ -495,7 +757,19 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=None, help="where mounts go (default: a temp dir "
                     "on the disk, not tmpfs)")
     ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--sweep", action="store_true",
+                    help="issue 37's grid: FIFO request windows beside long-lived prefixes")
+    ap.add_argument("--quick", action="store_true",
+                    help="with --sweep: a small tier and grid (a few minutes)")
+    ap.add_argument("--sweep-windows", default="5,25,50,70", help="percent of the tier")
+    ap.add_argument("--sweep-live", default="50,80,90",
+                    help="percent of the capacity statvfs reports")
+    ap.add_argument("--sweep-prefixes", default="static,rewritten")
+    ap.add_argument("--sweep-data", default="incompressible,compressible")
+    ap.add_argument("--sweep-configs", default="default,hinted,one")
     args = ap.parse_args(argv)
+    if args.sweep:
+        return main_sweep(args, sys.argv[1:] if argv is None else argv)
     lat_cfg = None if args.latency == "none" else args.latency.split("@")
     results = []
     work = Path(tempfile.mkdtemp(prefix="kvfs-bench-gc-", dir=args.workdir or "/var/tmp"))
@@ -513,6 +787,30 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "checks": checks},
                                               indent=1))
+    return 0 if all(c["pass"] for c in checks) else 1
+
+
+QUICK = {"nvme_size": "32M", "segment_size": "1M", "dram_size": "1M", "overwrites": 2.0,
+         "warmup": 1.0, "sweep_live": "50,90", "sweep_data": "incompressible"}
+SWEEP = {"nvme_size": "256M", "segment_size": "8M", "dram_size": "16M", "block": "1M",
+         "overwrites": 3.0}
+
+
+def main_sweep(args: argparse.Namespace, argv: list[str]) -> int:
+    """--sweep: the defaults of the sweep (or of --quick) where the command line set none."""
+    given = {x.split("=")[0].lstrip("-").replace("-", "_") for x in argv if x.startswith("--")}
+    for k, v in (QUICK if args.quick else SWEEP).items():
+        if k not in given:
+            setattr(args, k, v)
+    work = Path(tempfile.mkdtemp(prefix="kvfs-bench-gc-", dir=args.workdir or "/var/tmp"))
+    try:
+        rows = sweep(work, args)
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(work)
+    checks = sweep_report(rows, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"sweep": rows, "checks": checks}, indent=1))
     return 0 if all(c["pass"] for c in checks) else 1
 
 

@@ -23,11 +23,20 @@ Which class a file's records get, first match wins:
 1. `user.kvfs.lifetime` on the file, else on its nearest ancestor directory that has it:
    `short`, `medium` or `long` (`auto` stops the search and asks the classifier). Set it on
    the engine's per-request and prefix directories once; new files inherit it.
-2. Lifetimes kvfs observed for files under the same directories (LifetimeClassifier): a file
-   that dies within SHORT_FRACTION of the NVMe tier's worth of user writes after its first
-   record reached NVMe counts as short, one that outlives that as not short. The nearest
-   ancestor directory (parent first, root last) with enough decisive observations decides.
-3. Otherwise `medium`.
+2. Lifetimes kvfs observed for files under the same directories (LifetimeClassifier), ranked
+   against each other rather than against a fixed threshold, whatever their scale. A file is
+   watched from its first record on NVMe until it dies or outlives the horizon: RANK_FACTOR
+   times the shortest typical lifetime of any directory (LONG_HORIZON tiers of writes while
+   none is known). A directory most of whose files outlive it is `long`; one whose files die
+   at a consistent age (most die, log2 spread <= SPREAD) is ranked by its mean log2
+   lifetime: within SHORT_RANK of the shortest directory's, `short`; RANK_FACTOR times
+   longer or more, `long`; between, `medium`; one of mixed lifetimes is `medium`. So a
+   request window of 5% or of 70% of the tier is `short` beside prefixes that live for
+   tiers, and the prefixes are `long` as soon as they have outlived a few windows. The
+   nearest ancestor directory (parent first, root last) with MIN_SAMPLES observations decides.
+3. Otherwise (no directory of the chain decided yet) `medium` or `long`: undecided
+   directories take them in turn, in the order they first write to NVMe, so that two
+   directories are not mixed while their lifetimes are being learned.
 
 Lifetimes are measured on a byte clock (user record bytes written to NVMe), not wall time:
 what matters for cleaning is how much was written while a record lived.
@@ -41,6 +50,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import math
 import os
 import struct
 from collections import OrderedDict
@@ -69,11 +79,19 @@ _HINTS = {"short": RWH_WRITE_LIFE_SHORT, "gc": RWH_WRITE_LIFE_EXTREME,
           "long": RWH_WRITE_LIFE_LONG, "medium": RWH_WRITE_LIFE_MEDIUM,
           "cold": RWH_WRITE_LIFE_EXTREME}
 
-# A file that dies within this share of the NVMe tier's worth of user writes is short-lived.
-SHORT_FRACTION = 0.25
-# A directory's verdict needs this many observations and a clear majority either way.
+# A directory's verdict needs this many observations (deaths, or survivals as below).
 MIN_SAMPLES = 8
+# A clear majority of a directory's files outlive the horizon, or die before it; else "mixed".
 DECISIVE = 0.75
+# log2 spread (standard deviation) of a directory's lifetimes above which they are "mixed".
+SPREAD = 1.5
+# Within this factor of the shortest directory's typical lifetime: short.
+SHORT_RANK = 2.0
+# This many times the shortest typical lifetime, or more: long. A file still alive at that
+# age is counted as having lived that long (and no longer watched).
+RANK_FACTOR = 4.0
+# ... and when no directory has a verdict yet, a file alive after this many tiers of writes.
+LONG_HORIZON = 4.0
 # Bounds on classifier memory: files being watched, directories with statistics.
 MAX_TRACKED = 200_000
 MAX_DIRS = 8192
@@ -167,24 +185,40 @@ def device_info(path: str) -> dict:
 
 
 class _DirStats:
-    __slots__ = ("n", "p_short")
+    """One directory's files: the share that outlived the horizon, and the running mean and
+    variance of log2(lifetime in bytes) of those that died; the recent ones weigh most."""
+
+    __slots__ = ("n", "outlived", "died", "mean", "var")
 
     def __init__(self) -> None:
         self.n = 0
-        self.p_short = 0.0
+        self.outlived = 0.0
+        self.died = 0
+        self.mean = 0.0
+        self.var = 0.0
 
-    def add(self, short: bool) -> None:
+    def add(self, log_life: float | None) -> None:
+        """*log_life*: log2 of a dead file's lifetime; None: it outlived the horizon."""
         self.n += 1
-        self.p_short += (float(short) - self.p_short) / min(self.n, 32)
+        self.outlived += (float(log_life is None) - self.outlived) / min(self.n, 32)
+        if log_life is None:
+            return
+        self.died += 1
+        w = 1 / min(self.died, 32)
+        d = log_life - self.mean
+        self.mean += w * d
+        self.var = (1 - w) * (self.var + w * d * d)
 
-    def verdict(self) -> str | None:
+    def kind(self) -> str | None:
+        """None (too few observations), "outlives", "mixed", or "dies" (at a consistent
+        age: then `mean` ranks it)."""
         if self.n < MIN_SAMPLES:
             return None
-        if self.p_short >= DECISIVE:
-            return "short"
-        if self.p_short <= 1 - DECISIVE:
-            return "long"
-        return "medium"  # a directory of mixed lifetimes
+        if self.outlived >= DECISIVE:
+            return "outlives"
+        if self.outlived > 1 - DECISIVE or self.var > SPREAD * SPREAD:
+            return "mixed"
+        return "dies"
 
 
 class LifetimeClassifier:
@@ -192,22 +226,31 @@ class LifetimeClassifier:
 
     Runs on the trio thread only. `stream_of` is ChunkStore.stream_of (called once per chunk
     writeback); `deleted` is ChunkStore.file_deleted. A file is watched from the first time
-    one of its records reaches NVMe until it dies (outcome: short) or until SHORT_FRACTION
-    of the tier has been written since (outcome: not short); each outcome updates the file's
-    directory and every ancestor. State is in memory only: it is relearned after a remount.
+    one of its records reaches NVMe until it dies or until it has outlived the horizon
+    (RANK_FACTOR x the shortest typical lifetime, at most LONG_HORIZON tiers); its lifetime
+    then (a lower bound for a survivor) updates its directory and every ancestor. State is in
+    memory only: it is relearned after a remount.
     """
 
-    def __init__(self, ns, table: StreamTable, clock: Callable[[], int], tier_bytes: int,
-                 short_fraction: float = SHORT_FRACTION) -> None:
+    def __init__(self, ns, table: StreamTable, clock: Callable[[], int],
+                 tier_bytes: int) -> None:
         self.ns = ns
         self.table = table
         self.clock = clock
-        self.horizon = max(1, int(short_fraction * tier_bytes))
+        self.long_horizon = max(1, int(LONG_HORIZON * tier_bytes))
         self._watch: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()
         self._dirs: OrderedDict[int, _DirStats] = OrderedDict()
         self._bad_values: set[bytes] = set()
+        self._unknown: OrderedDict[int, int] = OrderedDict()  # directory -> _unknown_class slot
+        self._next_unknown = 0
+        # log2 of the shortest typical lifetime among consistent directories (None: none yet),
+        # recomputed after RESCALE_EVERY outcomes
+        self._scale: float | None = None
+        self._since_rescale = 0
         self.decisions = {"hint": 0, "learned": 0, "default": 0}
-        self.outcomes = {"short": 0, "not_short": 0}
+        self.outcomes = {"died": 0, "outlived": 0}
+
+    RESCALE_EVERY = 64
 
     # -- the store's hooks ---------------------------------------------------------------
     def stream_of(self, ino: int) -> int:
@@ -217,7 +260,7 @@ class LifetimeClassifier:
         self._expire()
         entry = self._watch.pop(ino, None)
         if entry is not None:
-            self._outcome(entry[1], short=True)
+            self._outcome(entry[1], self.clock() - entry[0])
 
     # -- classification ------------------------------------------------------------------
     def classify(self, ino: int) -> str:
@@ -235,11 +278,38 @@ class LifetimeClassifier:
             return hinted
         for d in chain:
             st = self._dirs.get(d)
-            verdict = st.verdict() if st is not None else None
+            verdict = self._verdict(st) if st is not None else None
             if verdict is not None:
                 self.decisions["learned"] += 1
                 return verdict
         self.decisions["default"] += 1
+        return self._unknown_class(chain[0] if chain else ino)
+
+    def _unknown_class(self, d: int) -> str:
+        """Directories not decided yet take `medium` and `long` in turn, in the order their
+        files first reach NVMe: two directories whose lifetimes turn out to differ (requests
+        and prefixes) are kept apart from their first records, before anything is known."""
+        slot = self._unknown.get(d)
+        if slot is None:
+            if len(self._unknown) >= MAX_DIRS:
+                self._unknown.popitem(last=False)
+            slot = self._unknown[d] = self._next_unknown
+            self._next_unknown ^= 1
+        return ("medium", "long")[slot]
+
+    def _verdict(self, st: _DirStats) -> str | None:
+        kind = st.kind()
+        if kind is None:
+            return None
+        if kind == "outlives":
+            return "long"
+        if kind == "mixed" or self._scale is None:
+            return "medium"
+        rank = st.mean - self._scale
+        if rank <= math.log2(SHORT_RANK):
+            return "short"
+        if rank >= math.log2(RANK_FACTOR):
+            return "long"
         return "medium"
 
     def _chain(self, ino: int) -> tuple[int, ...]:
@@ -261,19 +331,29 @@ class LifetimeClassifier:
         return None
 
     # -- learning ------------------------------------------------------------------------
+    @property
+    def horizon(self) -> int:
+        """Age at which a watched file counts as long-lived (and is no longer watched)."""
+        if self._scale is None:
+            return self.long_horizon
+        return max(1, min(self.long_horizon, math.ceil(RANK_FACTOR * 2 ** self._scale)))
+
     def _expire(self) -> None:
-        """Files watched for longer than the horizon survived it: not short."""
-        cutoff = self.clock() - self.horizon
+        horizon = self.horizon
+        cutoff = self.clock() - horizon
         watch = self._watch
         while watch:
             ino, (t, chain) = next(iter(watch.items()))
             if t > cutoff:
                 break
             del watch[ino]
-            self._outcome(chain, short=False)
+            # it lived at least the horizon: how much longer is not known (nor waited for)
+            self._outcome(chain, None)
 
-    def _outcome(self, chain: tuple[int, ...], *, short: bool) -> None:
-        self.outcomes["short" if short else "not_short"] += 1
+    def _outcome(self, chain: tuple[int, ...], lifetime: int | None) -> None:
+        """A watched file died after *lifetime* bytes, or (None) outlived the horizon."""
+        self.outcomes["outlived" if lifetime is None else "died"] += 1
+        log_life = None if lifetime is None else math.log2(max(1, lifetime))
         for d in chain:
             st = self._dirs.get(d)
             if st is None:
@@ -282,15 +362,29 @@ class LifetimeClassifier:
                 st = self._dirs[d] = _DirStats()
             else:
                 self._dirs.move_to_end(d)
-            st.add(short)
+            st.add(log_life)
+            if st.kind() == "dies" and (self._scale is None or st.mean < self._scale):
+                self._scale = st.mean  # a new shortest: at once
+        self._since_rescale += 1
+        if self._since_rescale >= self.RESCALE_EVERY:
+            self._rescale()
+
+    def _rescale(self) -> None:
+        """The shortest typical lifetime may also have grown (its directory went quiet, or
+        its files live longer now): recomputed from every directory now and then."""
+        self._since_rescale = 0
+        means = [st.mean for st in self._dirs.values() if st.kind() == "dies"]
+        self._scale = min(means) if means else None
 
     def stats(self) -> dict:
         verdicts: dict[str, int] = {}
         for st in self._dirs.values():
-            v = st.verdict() or "undecided"
+            v = self._verdict(st) or "undecided"
             verdicts[v] = verdicts.get(v, 0) + 1
         return {"placement": {"decisions": dict(self.decisions),
                               "outcomes": dict(self.outcomes),
                               "watched_files": len(self._watch),
-                              "short_horizon_bytes": self.horizon,
+                              "horizon_bytes": self.horizon,
+                              "shortest_typical_lifetime_bytes":
+                                  None if self._scale is None else round(2 ** self._scale),
                               "directories": verdicts}}

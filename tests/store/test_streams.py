@@ -131,7 +131,7 @@ def test_learns_short_and_long_directories_and_inherits_to_new_subdirectories():
         clock.t += 100
     clock.t += 1000
     c.stream_of(ns.add(ino := ino + 1, 3))  # expiry is noticed on the next call
-    assert c.outcomes["short"] >= 3 * MIN_SAMPLES and c.outcomes["not_short"] >= MIN_SAMPLES
+    assert c.outcomes["died"] >= 3 * MIN_SAMPLES and c.outcomes["outlived"] >= MIN_SAMPLES
     assert c.classify(ns.add(ino := ino + 1, 5)) == "short"
     assert c.classify(ns.add(ino := ino + 1, 3)) == "long"
     # a brand-new request directory has no history: its parent /req decides
@@ -141,6 +141,7 @@ def test_learns_short_and_long_directories_and_inherits_to_new_subdirectories():
     for i in range(2 * MIN_SAMPLES):
         f = ns.add(ino := ino + 1, 4)
         c.stream_of(f)
+        clock.t += 1
         if i % 2:
             c.deleted(f)
     clock.t += 2000
@@ -148,6 +149,59 @@ def test_learns_short_and_long_directories_and_inherits_to_new_subdirectories():
     assert c.classify(ns.add(ino := ino + 1, 4)) == "medium"
     st = c.stats()["placement"]
     assert st["directories"]["short"] >= 1 and st["directories"]["long"] >= 1
+
+
+def _fifo(ns, clock, c, ino: int, *, window: int, steps: int, prefixes: int) -> int:
+    """A FIFO window of *window* request files in /req (2) beside *prefixes* files in
+    /prefix (3) that never die; one request per step, each 10 bytes of the byte clock;
+    the prefixes are written during the first *prefixes* steps."""
+    live: list[int] = []
+    for i in range(steps):
+        if i < prefixes:
+            c.stream_of(ns.add(ino := ino + 1, 3))
+        f = ns.add(ino := ino + 1, 2)
+        c.stream_of(f)
+        live.append(f)
+        clock.t += 10
+        if len(live) > window:
+            c.deleted(live.pop(0))
+    return ino
+
+
+@pytest.mark.parametrize("window_share", [0.05, 0.5, 0.7])
+def test_request_window_is_short_beside_prefixes_whatever_its_size(window_share):
+    """Issue 37: a FIFO window of per-request files is ranked `short` beside long-lived
+    prefixes whether the window is 5% or 70% of the tier (a fixed threshold of 25% of the
+    tier put windows of 50% and 70% in the prefixes' stream)."""
+    ns, clock, c = _classifier()  # tier: 1000 bytes of the byte clock
+    window = max(2, int(window_share * 1000 / 10))
+    ino = _fifo(ns, clock, c, 1000, window=window, steps=window + 40 * MIN_SAMPLES,
+                prefixes=2 * MIN_SAMPLES)
+    assert c.classify(ns.add(ino + 1, 2)) == "short"
+    assert c.classify(ns.add(ino + 2, 3)) == "long"
+    assert c.stream_of(ns.add(ino + 3, 2)) != c.stream_of(ns.add(ino + 4, 3))
+
+
+def test_undecided_directories_are_kept_apart():
+    """Issue 37: before anything is known, the records of two directories go to different
+    streams (they were all `medium`, so requests and prefixes shared segments until the
+    requests' lifetimes were learned); a third shares one of them."""
+    ns, clock, c = _classifier()
+    first, second, third = ns.add(10, 3), ns.add(11, 2), ns.add(12, 4)
+    assert c.classify(first) == "medium" and c.classify(second) == "long"
+    assert c.stream_of(ns.add(13, 3)) != c.stream_of(ns.add(14, 2))
+    assert c.classify(third) == "medium"
+
+
+def test_hints_win_over_what_was_learned():
+    """A hint on a directory decides its files' class even where learning says otherwise."""
+    ns, clock, c = _classifier()
+    ino = _fifo(ns, clock, c, 1000, window=5, steps=20 * MIN_SAMPLES, prefixes=2 * MIN_SAMPLES)
+    assert c.classify(ns.add(ino + 1, 2)) == "short"
+    ns.xattrs[(2, LIFETIME_XATTR)] = b"long"
+    ns.xattrs[(3, LIFETIME_XATTR)] = b"short"
+    assert c.classify(ns.add(ino + 2, 2)) == "long"
+    assert c.classify(ns.add(ino + 3, 3)) == "short"
 
 
 def test_one_user_stream_does_not_classify():
