@@ -18,14 +18,16 @@ from kvfs.config import ConfigError, Settings
 from kvfs.control import Control
 from kvfs.faults import Faults
 from kvfs.fs import Operations
-from kvfs.namespace import PIN_XATTR, REMOTE, Namespace
+from kvfs.namespace import PIN_XATTR, REMOTE, ROOT_INODE, Namespace
 from kvfs.podfiles import PodFiles
 from kvfs.readahead import Readahead
+from kvfs.store import fileinfo
 from kvfs.store.chunkstore import ChunkStore
 from kvfs.store.codec import Codec, CodecPolicy
 from kvfs.store.dram import OPEN_FILES
 from kvfs.store.events import StoreEvents
 from kvfs.store.fetch import StageWatch
+from kvfs.store.fileinfo import Component, FileInfo
 from kvfs.store.gc import Cleaner
 from kvfs.store.meta import MetaStore
 from kvfs.store.pod import Pod, PodUnavailable
@@ -74,6 +76,9 @@ class _Events(StoreEvents):
 
     def codec_context(self, ino: int) -> tuple[str | None, int | None]:
         return self.asm.codec_context(ino)
+
+    def file_info(self, ino: int) -> bytes:
+        return self.asm.file_info(ino)
 
     def stream_of(self, ino: int) -> int:
         return self.asm.classifier.stream_of(ino) if self.asm.classifier is not None else 0
@@ -199,6 +204,34 @@ class Assembly:
         up = self.ns.ancestors(ino)
         value = self.ns.inherited_hint(ino, b"user.kvfs.dtype", up)
         return (value.decode(errors="replace") if value else None), (up[0] if up else None)
+
+    def file_info(self, ino: int) -> bytes:
+        """What a record of *ino* carries so that a rebuild finds the file again
+        (kvfs/store/fileinfo.py): its attributes, chunks and path (its first name)."""
+        if self.ns is None:
+            return b""
+        inode = self.ns.inodes.get(ino)
+        if inode is None or not inode.is_reg:
+            return b""
+        path = []
+        node = inode
+        while True:
+            names = self.ns.names_of(node.ino)
+            if node.ino == ROOT_INODE:
+                name = b""
+            elif not names:
+                return b""  # unlinked: nothing to find again
+            else:
+                name = min(names)[1]
+            path.append(Component(node.ino, node.mode, node.uid, node.gid, name))
+            if node.ino == ROOT_INODE or len(path) > 4096:
+                break
+            node = self.ns.inodes[min(names)[0]]
+        store = self.store
+        chunks = fileinfo.bitmap(store.index.chunks_of(ino, store.nchunks(inode.size)))
+        return fileinfo.pack(FileInfo(
+            store.chunks.next_seq(), inode.mode, inode.uid, inode.gid, inode.size,
+            inode.mtime_ns, inode.ctime_ns, chunks, tuple(reversed(path))))
 
     async def run(self) -> None:
         self.collector.install()  # after loading: what the mount loaded is never scanned again
