@@ -277,6 +277,7 @@ class Assembly:
         log.info("unmounting: writing dirty chunks back to NVMe")
         self.left_in_dram = await self.store.writeback_all()
         self.readahead.save()
+        self.control.stop_trace()  # (a recording under way ends complete)
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:

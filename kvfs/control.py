@@ -30,6 +30,11 @@ EPERM (the kernel asks first for write permission on the file, as for any user.*
                               "unchecked", "next"}; kvfs/store/scrub.py
     user.kvfs.scrub.repair[.START]  the same, dropping damaged copies that have a good one
                               and marking lost the chunks that have none
+    user.kvfs.trace.start     (set, any inode; the value: an absolute path outside the
+                              mount) record opens and creates there as a Mooncake trace
+                              (kvfs/trace.py); EBUSY if one is being recorded
+    user.kvfs.trace.stop      (set) stop recording (ENODATA if none), the file complete
+    user.kvfs.trace           (get, anyone) JSON of the recording under way, else ENODATA
 
 Other `user.kvfs.*` names (e.g. user.kvfs.dtype) are ordinary stored xattrs that act as hints.
 """
@@ -47,6 +52,7 @@ from kvfs.store.dram import pages
 from kvfs.store.location import LOST, ChunkError, NoSpace
 from kvfs.store.scrub import Scrub
 from kvfs.tiering import PIN_SHARE
+from kvfs.trace import TraceRecorder
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +61,8 @@ WHERE_PAGE = 256  # chunks per answer: keeps the JSON under the 64 KiB xattr lim
 # millisecond), and kvfsctl can show progress between them.
 SCRUB_PAGE = 32
 VIRTUAL = (b"user.kvfs.status", b"user.kvfs.where", b"user.kvfs.prefetch", PIN_XATTR,
-           b"user.kvfs.unpin", b"user.kvfs.demote", b"user.kvfs.evict", b"user.kvfs.scrub")
+           b"user.kvfs.unpin", b"user.kvfs.demote", b"user.kvfs.evict", b"user.kvfs.scrub",
+           b"user.kvfs.trace")
 # How many times `demote` writes back and drops what a file has in DRAM before it gives up
 # (writes and prefetches may bring chunks back meanwhile).
 DEMOTE_TRIES = 3
@@ -99,6 +106,11 @@ class Control:
                 raise NamespaceError(errno.EBUSY)  # the kernel is writing its DRAM file
             page = await self.scrub.page(ino, inode.size, start, SCRUB_PAGE, repair)
             return json.dumps(page.as_dict(), separators=(",", ":")).encode()
+        if name == b"trace":
+            tracer = self.readahead.tracer
+            if tracer is None:
+                raise NamespaceError(errno.ENODATA)
+            return json.dumps(tracer.status()).encode()
         raise NamespaceError(errno.ENODATA)  # prefetch, unpin, demote, evict: write-only
 
     async def set(self, ino: int, name: bytes, value: bytes, uid: int) -> None:
@@ -115,6 +127,11 @@ class Control:
             self.unpin(ino)
         elif name in (b"demote", b"evict"):
             await self.demote(ino)
+        elif name == b"trace.start":
+            self.start_trace(value)
+        elif name == b"trace.stop":
+            if self.stop_trace() is None:
+                raise NamespaceError(errno.ENODATA)
         else:
             raise NamespaceError(errno.EPERM)
 
@@ -232,6 +249,34 @@ class Control:
         if any(store.get(ino, c).dram_slot >= 0
                for c in store.index.chunks_of(ino, store.nchunks(size))):
             raise NamespaceError(errno.EBUSY)
+
+    # -- access traces -------------------------------------------------------------------
+    def start_trace(self, value: bytes) -> None:
+        if self.readahead.tracer is not None:
+            raise NamespaceError(errno.EBUSY)
+        path = os.fsdecode(value)
+        mount = os.path.abspath(self.settings.mountpoint)
+        if not os.path.isabs(path) or os.path.commonpath([mount, os.path.abspath(path)]) == mount:
+            # (the daemon must never call into its own mount: it would wait for itself)
+            raise NamespaceError(errno.EINVAL)
+        try:
+            self.readahead.tracer = TraceRecorder(path)
+        except OSError as exc:
+            raise NamespaceError(exc.errno or errno.EIO) from None
+        log.info("recording an access trace in %s", path)
+
+    def stop_trace(self) -> dict | None:
+        """Stop the recording under way (and complete its file); None if there is none."""
+        tracer, self.readahead.tracer = self.readahead.tracer, None
+        if tracer is None:
+            return None
+        try:
+            done = tracer.stop()
+        except OSError as exc:
+            log.error("access trace %s: %s", tracer.path, exc)
+            raise NamespaceError(exc.errno or errno.EIO) from None
+        log.info("access trace %s: %d requests", tracer.path, done["requests"])
+        return done
 
     def status(self, paths: bool = True) -> dict:
         """Everything kvfsctl status shows; the tiers' directories only with *paths*."""

@@ -22,6 +22,9 @@ KVFSCTL = [sys.executable, "-m", "kvfs.cli.ctl"]
 CHUNK = 64 << 10  # conftest.SMALL
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
 def ctl(*args, check: bool = True) -> subprocess.CompletedProcess:
     r = subprocess.run(KVFSCTL + [str(a) for a in args], capture_output=True, text=True,
                        timeout=120)
@@ -316,6 +319,10 @@ def test_changing_commands_need_root_or_the_mounts_owner(kv):
     assert _pinned(kv.path / "f")
     r = as_user("unpin", "f")
     assert r.returncode == 1 and _pinned(kv.path / "f")
+    r = as_user("trace", "start", "/tmp/kvfs-trace-by-2000", ".")
+    assert (r.returncode, r.stderr) == (
+        2, "kvfsctl: trace is for root and the user who mounted kvfs only\n"), r.stderr
+    assert not os.path.exists("/tmp/kvfs-trace-by-2000")
 
 
 def _flip(path, offset: int) -> None:
@@ -446,3 +453,40 @@ def test_demote_of_a_file_the_kernel_reads_from_dram_is_busy(kv):
         assert f.read() == data
     ctl("demote", kv.path / "f")
     assert kv.tiers("f") == {"nvme"}
+
+
+def test_trace_records_a_replayable_mooncake_trace(kv, tmp_path):
+    """`kvfsctl trace start/stop`: each process's run of opens and creates is one request,
+    each file one block; tools/trace_replay.py replays the file."""
+    out = tmp_path / "trace.jsonl"
+    ctl("trace", "start", str(out), str(kv.path))
+    assert ctl("trace", "start", str(out), str(kv.path), check=False).returncode == 2  # busy
+    # Two requests, as an engine's workers would make them: the second reuses the first's
+    # two blocks (its prefix) and writes a new one.
+    script = ("import sys, pathlib; d = pathlib.Path(sys.argv[1]); "
+              "[(d / n).read_bytes() for n in sys.argv[2].split(',') if n]; "
+              "[(d / n).write_bytes(b'x' * 4096) for n in sys.argv[3].split(',') if n]")
+    subprocess.run([sys.executable, "-c", script, str(kv.path), "", "b0,b1"], check=True)
+    time.sleep(0.2)  # (longer than a request's pause: the next process's is another)
+    subprocess.run([sys.executable, "-c", script, str(kv.path), "b0,b1", "b2"], check=True)
+    assert json.loads(os.getxattr(kv.path, "user.kvfs.trace"))["file"] == str(out)
+    ctl("trace", "stop", str(kv.path))
+    assert ctl("trace", "stop", str(kv.path), check=False).returncode == 2  # none now
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["hash_ids"] for r in rows] == [[0, 1], [0, 1, 2]]
+    assert rows[0]["timestamp"] < rows[1]["timestamp"] and rows[1]["input_length"] == 3 * 512
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "trace_replay.py"), "--trace",
+                        str(out), "--modes", "tmpfs", "--block-size", "4K",
+                        "--work-dir", str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 requests" in r.stdout or "requests" in r.stdout, r.stdout
+
+
+def test_a_trace_file_inside_the_mount_is_refused(kv):
+    """The daemon would call into its own mount to write it (and wait for itself); the
+    unprivileged case is in test_changing_commands_need_root_or_the_mounts_owner."""
+    with pytest.raises(OSError) as exc:
+        os.setxattr(kv.path, "user.kvfs.trace.start", os.fsencode(kv.path / "t"))
+    assert exc.value.errno == errno.EINVAL
+    assert ctl("trace", "start", str(kv.path / "t"), str(kv.path), check=False).returncode == 2

@@ -16,6 +16,12 @@
                                            written back first)
     kvfsctl scrub PATH [--repair] [--json] check every copy of every chunk against its
                                            checksum; exit 1 if damage was found
+    kvfsctl trace start FILE [MOUNTPOINT]  record the mount's opens and creates in FILE (an
+                                           absolute path outside the mount; MOUNTPOINT: the
+                                           kvfs mount FILE... default: the current directory)
+                                           in Mooncake's trace format (tools/trace_replay.py
+                                           replays it)
+    kvfsctl trace stop [MOUNTPOINT]        stop recording; FILE is complete
 
 It talks to the daemon through virtual xattrs on the mount (see kvfs/control.py), so it works
 wherever the mount is visible.
@@ -470,6 +476,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="drop damaged copies that have a good one; mark lost the chunks "
                         "that have none (they read as EIO)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p = sub.add_parser("trace", help="record the mount's accesses in Mooncake's trace format "
+                                     "(root and the mount's owner)")
+    p.add_argument("action", choices=("start", "stop", "status"))
+    p.add_argument("args", nargs="*", metavar="FILE MOUNTPOINT",
+                   help="start: the trace file, then the mount (default: .); stop, status: "
+                        "the mount (default: .)")
     args = parser.parse_args(argv)
     try:
         return _run(args)
@@ -495,6 +507,40 @@ def _run(args: argparse.Namespace) -> int:
         return change(args.command, args.paths, args.recursive)
     elif args.command == "scrub":
         return scrub(args.mountpoint, args.repair, args.json)
+    elif args.command == "trace":
+        return trace(args.action, args.args)
+    return 0
+
+
+def trace(action: str, args: list[str]) -> int:
+    """`kvfsctl trace start FILE [MOUNT]`, `stop [MOUNT]`, `status [MOUNT]`."""
+    want = 2 if action == "start" else 1
+    if not want - 1 <= len(args) <= want:
+        raise CtlError(f"trace {action}: " + ("FILE [MOUNTPOINT]" if action == "start"
+                                              else "[MOUNTPOINT]"))
+    mount = args[want - 1] if len(args) == want else "."
+    try:
+        if action == "status":
+            print(os.getxattr(mount, "user.kvfs.trace").decode())
+            return 0
+        if action == "start":
+            path = os.path.realpath(args[0])
+            if os.stat(os.path.dirname(path)).st_dev == os.stat(mount).st_dev:
+                raise CtlError(f"{args[0]}: the trace file must be outside the mount")
+            os.setxattr(mount, "user.kvfs.trace.start", os.fsencode(path))
+            print(f"recording {mount}'s accesses in {path}; `kvfsctl trace stop` ends it")
+        else:
+            done = json.loads(os.getxattr(mount, "user.kvfs.trace"))
+            os.setxattr(mount, "user.kvfs.trace.stop", b"1")
+            print(f"{done['file']}: recording stopped")
+    except OSError as exc:
+        if exc.errno == errno.ENODATA and action != "start":
+            raise CtlError(f"{mount}: no trace is being recorded") from None
+        if exc.errno == errno.EBUSY:
+            raise CtlError(f"{mount}: a trace is being recorded already") from None
+        if exc.errno in (errno.EPERM, errno.EACCES):
+            raise CtlError("trace is for root and the user who mounted kvfs only") from None
+        raise CtlError(_why(exc.filename or mount, exc)) from None
     return 0
 
 
