@@ -89,10 +89,11 @@ class RecordHeader:
     stored_len: int
     checksum: int
     info_len: int = 0  # bytes of the file's description after the payload (version 2)
+    version: int = RECORD_VERSION
 
 
 def pack_header(h: RecordHeader) -> bytes:
-    body = HEADER.pack(RECORD_MAGIC, RECORD_VERSION, h.codec, h.stream, h.ino, h.chunk, h.seq,
+    body = HEADER.pack(RECORD_MAGIC, h.version, h.codec, h.stream, h.ino, h.chunk, h.seq,
                        h.raw_len, h.stored_len, h.checksum, h.info_len)
     return body + struct.pack("<I", xxhash.xxh32_intdigest(body))
 
@@ -104,9 +105,10 @@ def unpack_header(buf: bytes | memoryview) -> RecordHeader:
         raise RecordError("record header checksum mismatch")
     (magic, version, codec, stream, ino, chunk, seq, raw_len, stored_len, csum,
      info_len) = HEADER.unpack(body)
-    if magic != RECORD_MAGIC or version not in RECORD_VERSIONS:
+    if magic != RECORD_MAGIC or version not in RECORD_VERSIONS or version == 1 and info_len:
         raise RecordError(f"not a kvfs record (magic {magic:#x}, version {version})")
-    return RecordHeader(codec, stream, ino, chunk, seq, raw_len, stored_len, csum, info_len)
+    return RecordHeader(codec, stream, ino, chunk, seq, raw_len, stored_len, csum, info_len,
+                        version)
 
 
 class AlignedBuffers:

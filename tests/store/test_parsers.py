@@ -59,10 +59,12 @@ def _checked(body: bytes) -> bytes:
 
 
 headers = st.builds(
-    lambda version, codec, stream, ino, chunk, seq, raw, stored, csum: _checked(
-        HEADER.pack(RECORD_MAGIC, version, codec, stream, ino, chunk, seq, raw, stored, csum)),
-    st.sampled_from([1, 1, 1, 0, 2, 0xFFFF]), st.integers(0, 255), st.integers(0, 255), U64,
-    U64, U64, U32, st.one_of(st.integers(0, 3 * BLOCK), U32), U64)
+    lambda version, codec, stream, ino, chunk, seq, raw, stored, csum, info: _checked(
+        HEADER.pack(RECORD_MAGIC, version, codec, stream, ino, chunk, seq, raw, stored, csum,
+                    info)),
+    st.sampled_from([1, 1, 1, 0, 2, 2, 3, 0xFFFF]), st.integers(0, 255), st.integers(0, 255),
+    U64, U64, U64, U32, st.one_of(st.integers(0, 3 * BLOCK), U32), U64,
+    st.one_of(st.just(0), st.integers(0, 2 * BLOCK), U32))
 
 
 # -- NVMe records and segments ---------------------------------------------------------------
