@@ -34,18 +34,23 @@ class _Request:
 
 class TraceRecorder:
     """Told of every open and create (by the read-ahead's hooks); writes requests as they
-    end. Runs on the trio thread; the file is written through a buffer."""
+    end. Runs on the trio thread. Each request is one write() of its whole line, unbuffered:
+    if the daemon dies while recording, the file holds every request that had ended, each
+    line whole, and replays as it is (a buffer would lose the last few KiB and cut a line)."""
 
     def __init__(self, path: str, clock: Callable[[], float] = time.monotonic) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o644)
         self.path = path
-        self.file = os.fdopen(fd, "w")
+        self.fd = fd
         self.clock = clock
         self.started = clock()
         self.ids: dict[int, int] = {}  # inode -> block id
         self.open: dict[int, _Request] = {}  # pid -> its request under way
         self.requests = 0
+        # Why writing the file failed (e.g. its disk is full), then nothing more is written:
+        # an open in the mount must not fail for its trace.
+        self.error: str | None = None
 
     def access(self, ino: int, pid: int) -> None:
         now = self.clock()
@@ -64,17 +69,27 @@ class TraceRecorder:
                 if now is None or now - r.last > REQUEST_GAP_S]
         for pid in sorted(done, key=lambda p: self.open[p].start):
             r = self.open.pop(pid)
-            self.file.write(json.dumps({
+            line = memoryview(json.dumps({
                 "timestamp": int((r.start - self.started) * 1000),
                 "input_length": len(r.ids) * TOKENS_PER_BLOCK, "output_length": 0,
-                "hash_ids": r.ids}) + "\n")
-            self.requests += 1
+                "hash_ids": r.ids}).encode() + b"\n")
+            if self.error is not None:
+                continue
+            try:
+                while line:
+                    line = line[os.write(self.fd, line):]
+                self.requests += 1
+            except OSError as exc:
+                self.error = exc.strerror
+                log.error("access trace %s: %s; recording no more", self.path, exc)
 
     def stop(self) -> dict:
-        self._flush(None)
-        self.file.close()
+        try:
+            self._flush(None)
+        finally:
+            os.close(self.fd)
         return self.status()
 
     def status(self) -> dict:
         return {"file": self.path, "requests": self.requests, "blocks": len(self.ids),
-                "seconds": round(self.clock() - self.started, 1)}
+                "seconds": round(self.clock() - self.started, 1), "error": self.error}

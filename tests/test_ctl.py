@@ -490,3 +490,18 @@ def test_a_trace_file_inside_the_mount_is_refused(kv):
         os.setxattr(kv.path, "user.kvfs.trace.start", os.fsencode(kv.path / "t"))
     assert exc.value.errno == errno.EINVAL
     assert ctl("trace", "start", str(kv.path / "t"), str(kv.path), check=False).returncode == 2
+
+
+def test_a_trace_keeps_its_ended_requests_when_the_daemon_dies(kv, tmp_path):
+    """Requests are written as they end, each line whole: a daemon killed while recording
+    leaves a file that replays as it is."""
+    out = tmp_path / "trace.jsonl"
+    ctl("trace", "start", out, kv.path)
+    for name in ("a", "b", "a"):  # three processes, a pause after each: three requests
+        subprocess.run([sys.executable, "-c", "import sys; open(sys.argv[1], 'ab').close()",
+                        str(kv.path / name)], check=True)
+        time.sleep(0.2)
+    os.kill(kv.pid(), signal.SIGKILL)  # (the third request had not ended: it goes)
+    assert out.read_text().endswith("\n")
+    assert [json.loads(line)["hash_ids"] for line in out.read_text().splitlines()] == [
+        [0], [1]]

@@ -532,7 +532,9 @@ def trace(action: str, args: list[str]) -> int:
         else:
             done = json.loads(os.getxattr(mount, "user.kvfs.trace"))
             os.setxattr(mount, "user.kvfs.trace.stop", b"1")
-            print(f"{done['file']}: recording stopped")
+            print(f"{done['file']}: recording stopped" + (
+                f"; writing it failed ({done['error']}): it holds the first "
+                f"{done['requests']} requests only" if done.get("error") else ""))
     except OSError as exc:
         if exc.errno == errno.ENODATA and action != "start":
             raise CtlError(f"{mount}: no trace is being recorded") from None
