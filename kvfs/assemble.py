@@ -18,6 +18,7 @@ from kvfs.config import ConfigError, Settings
 from kvfs.control import Control
 from kvfs.faults import Faults
 from kvfs.fs import Operations
+from kvfs.liveconfig import LiveConfig
 from kvfs.namespace import PIN_XATTR, REMOTE, ROOT_INODE, Namespace
 from kvfs.podfiles import PodFiles
 from kvfs.readahead import Readahead
@@ -134,7 +135,10 @@ class Assembly:
             self.store, depth=s.readahead_chunks, enabled=s.prefetch,
             bandwidth=s.prefetch_bandwidth, size_of=self.size_of, meta=self.meta)
         extra.append(self.readahead.stats)
-        self.control = Control(self.ns, self.store, s, self.readahead, extra, pod=self.podfiles)
+        self.demoter = Demoter(self.store, high=s.dram_high_watermark, low=s.dram_low_watermark,
+                               writeback_age=WRITEBACK_AGE_S)
+        self.control = Control(self.ns, self.store, s, self.readahead, extra, pod=self.podfiles,
+                               live=LiveConfig(s, self.store, self.demoter, self.readahead))
         self.ops = Operations(self.ns, self.store, self.control, self.readahead,
                               cache_mode=s.cache_mode, faults=self.faults, pod=self.podfiles)
         if self.podfiles is not None:
@@ -152,8 +156,6 @@ class Assembly:
             extra.append(lambda: {"evictions": {"files": self.evictor.evicted_files,
                                                 "bytes": self.evictor.evicted_bytes,
                                                 "examined_files": self.evictor.examined}})
-        self.demoter = Demoter(self.store, high=s.dram_high_watermark, low=s.dram_low_watermark,
-                               writeback_age=WRITEBACK_AGE_S)
         # keys the searches for victims looked at, index entries walked past by requests
         # for a file's chunks: per chunk demoted or file written, neither may grow with what
         # the mount holds (issue 33)

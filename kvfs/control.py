@@ -35,6 +35,14 @@ EPERM (the kernel asks first for write permission on the file, as for any user.*
                               (kvfs/trace.py); EBUSY if one is being recorded
     user.kvfs.trace.stop      (set) stop recording (ENODATA if none), the file complete
     user.kvfs.trace           (get, anyone) JSON of the recording under way, else ENODATA
+    user.kvfs.config          (get, anyone, any inode) JSON: {"settings": {name: value},
+                              "live": [the names that may change while mounted]} (the
+                              tiers' directories only for root and the daemon's user)
+    user.kvfs.config.NAME     (get) NAME's value as JSON; ENODATA if there is no such
+                              setting. (set) change a live setting until the unmount, the
+                              value as in `-o NAME=VALUE` (kvfs/liveconfig.py): EPERM if
+                              NAME changes only at the next mount, EINVAL if there is no
+                              NAME or the value is not one it may take
 
 Other `user.kvfs.*` names (e.g. user.kvfs.dtype) are ordinary stored xattrs that act as hints.
 """
@@ -47,6 +55,8 @@ import logging
 import os
 import time
 
+from kvfs.config import ConfigError
+from kvfs.liveconfig import LiveConfig, NotLive, UnknownSetting
 from kvfs.namespace import PIN_XATTR, Inode, NamespaceError
 from kvfs.store.dram import pages
 from kvfs.store.location import LOST, ChunkError, NoSpace
@@ -62,14 +72,15 @@ WHERE_PAGE = 256  # chunks per answer: keeps the JSON under the 64 KiB xattr lim
 SCRUB_PAGE = 32
 VIRTUAL = (b"user.kvfs.status", b"user.kvfs.where", b"user.kvfs.prefetch", PIN_XATTR,
            b"user.kvfs.unpin", b"user.kvfs.demote", b"user.kvfs.evict", b"user.kvfs.scrub",
-           b"user.kvfs.trace")
+           b"user.kvfs.trace", b"user.kvfs.config")
 # How many times `demote` writes back and drops what a file has in DRAM before it gives up
 # (writes and prefetches may bring chunks back meanwhile).
 DEMOTE_TRIES = 3
 
 
 class Control:
-    def __init__(self, ns, store, settings, readahead, extra_stats=(), pod=None) -> None:
+    def __init__(self, ns, store, settings, readahead, extra_stats=(), pod=None,
+                 live: LiveConfig | None = None) -> None:
         self.ns = ns
         self.pod = pod  # kvfs.podfiles.PodFiles, or None
         self.store = store
@@ -78,6 +89,7 @@ class Control:
         self.extra_stats = extra_stats  # callables returning {section: {...}}; may grow
         self.started = time.time()
         self.scrub = Scrub(store)
+        self.live = live
 
     @staticmethod
     def handles(name: bytes) -> bool:
@@ -111,6 +123,14 @@ class Control:
             if tracer is None:
                 raise NamespaceError(errno.ENODATA)
             return json.dumps(tracer.status()).encode()
+        if name == b"config" or name.startswith(b"config."):
+            values = self.live.values(private=uid in (0, os.geteuid()))
+            if name == b"config":
+                return json.dumps(values).encode()
+            key = os.fsdecode(name[len(b"config."):])
+            if key not in values["settings"]:
+                raise NamespaceError(errno.ENODATA)
+            return json.dumps(values["settings"][key]).encode()
         raise NamespaceError(errno.ENODATA)  # prefetch, unpin, demote, evict: write-only
 
     async def set(self, ino: int, name: bytes, value: bytes, uid: int) -> None:
@@ -118,7 +138,8 @@ class Control:
             inode = self._file(ino)
             self.readahead.hint(ino, inode.size)
             return
-        if name in (b"status", b"where", b"scrub") or name.startswith((b"where.", b"scrub.")):
+        if name in (b"status", b"where", b"scrub", b"config") or name.startswith((b"where.",
+                                                                                  b"scrub.")):
             raise NamespaceError(errno.EPERM)  # read-only
         self._privileged(uid)
         if name == b"pin":
@@ -132,6 +153,8 @@ class Control:
         elif name == b"trace.stop":
             if self.stop_trace() is None:
                 raise NamespaceError(errno.ENODATA)
+        elif name.startswith(b"config."):
+            self.set_config(os.fsdecode(name[len(b"config."):]), value)
         else:
             raise NamespaceError(errno.EPERM)
 
@@ -277,6 +300,16 @@ class Control:
             raise NamespaceError(exc.errno or errno.EIO) from None
         log.info("access trace %s: %d requests", tracer.path, done["requests"])
         return done
+
+    # -- settings ------------------------------------------------------------------------
+    def set_config(self, key: str, value: bytes) -> None:
+        try:
+            self.live.set(key, os.fsdecode(value))
+        except NotLive:
+            raise NamespaceError(errno.EPERM) from None
+        except (UnknownSetting, ConfigError) as exc:
+            log.info("config %s=%r refused: %s", key, value, exc)
+            raise NamespaceError(errno.EINVAL) from None
 
     def status(self, paths: bool = True) -> dict:
         """Everything kvfsctl status shows; the tiers' directories only with *paths*."""

@@ -22,6 +22,12 @@
                                            in Mooncake's trace format (tools/trace_replay.py
                                            replays it)
     kvfsctl trace stop [MOUNTPOINT]        stop recording; FILE is complete
+    kvfsctl config set KEY VALUE [MOUNTPOINT]
+                                           change a setting that may change while mounted
+                                           (kvfs/liveconfig.py), until the unmount
+  For anyone:
+    kvfsctl config list [MOUNTPOINT]       the mount's settings, those that may change marked
+    kvfsctl config get KEY [MOUNTPOINT]    one setting's value
 
 It talks to the daemon through virtual xattrs on the mount (see kvfs/control.py), so it works
 wherever the mount is visible.
@@ -37,7 +43,7 @@ import os
 import sys
 import time
 
-from kvfs.config import format_size
+from kvfs.config import ConfigError, Settings, apply_options, format_size
 
 XATTR_SIZE_MAX = 65536
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -482,6 +488,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("args", nargs="*", metavar="FILE MOUNTPOINT",
                    help="start: the trace file, then the mount (default: .); stop, status: "
                         "the mount (default: .)")
+    p = sub.add_parser("config", help="the mount's settings; set: change one that may change "
+                                      "while mounted (root and the mount's owner)")
+    p.add_argument("action", choices=("list", "get", "set"))
+    p.add_argument("args", nargs="*", metavar="KEY VALUE MOUNTPOINT",
+                   help="list: [MOUNTPOINT]; get: KEY [MOUNTPOINT]; set: KEY VALUE "
+                        "[MOUNTPOINT] (MOUNTPOINT default: .)")
     args = parser.parse_args(argv)
     try:
         return _run(args)
@@ -509,7 +521,65 @@ def _run(args: argparse.Namespace) -> int:
         return scrub(args.mountpoint, args.repair, args.json)
     elif args.command == "trace":
         return trace(args.action, args.args)
+    elif args.command == "config":
+        return config(args.action, args.args)
     return 0
+
+
+def config(action: str, args: list[str]) -> int:
+    """`kvfsctl config list [MOUNT]`, `get KEY [MOUNT]`, `set KEY VALUE [MOUNT]`."""
+    want = {"list": 1, "get": 2, "set": 3}[action]
+    if not want - 1 <= len(args) <= want:
+        raise CtlError(f"config {action}: " + ("KEY VALUE " if action == "set" else "KEY "
+                                               if action == "get" else "") + "[MOUNTPOINT]")
+    mount = args[want - 1] if len(args) == want else "."
+    values = json.loads(_getxattr(mount, "user.kvfs.config"))
+    settings, live = values["settings"], values["live"]
+    if action == "list":
+        width = max(map(len, settings))
+        for key, value in settings.items():
+            print(f"{key:{width}} = {_shown(value)}"
+                  + ("  (may change while mounted)" if key in live else ""))
+        return 0
+    key = args[0]
+    if key not in settings and action == "get":
+        raise CtlError(f"{key}: no such setting (`kvfsctl config list` shows them)")
+    if action == "get":
+        print(_shown(settings[key]))
+        return 0
+    if key not in live:
+        raise CtlError(f"{key}: " + ("cannot change while mounted (mount again with -o "
+                                     f"{key}=...); these may: {', '.join(live)}"
+                                     if key in settings else "no such setting"))
+    try:
+        os.setxattr(mount, f"user.kvfs.config.{key}", os.fsencode(args[1]))
+    except OSError as exc:
+        if exc.errno in (errno.EPERM, errno.EACCES):
+            raise CtlError("config set is for root and the user who mounted kvfs "
+                           "only") from None
+        if exc.errno == errno.EINVAL:
+            raise CtlError(f"{key}: {args[1]!r} is not a value it may take"
+                           + _why_not(settings, key, args[1])) from None
+        raise CtlError(_why(mount, exc)) from None
+    now = json.loads(_getxattr(mount, f"user.kvfs.config.{key}"))
+    print(f"{key} = {_shown(now)} until the unmount")
+    return 0
+
+
+def _shown(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _why_not(settings: dict, key: str, text: str) -> str:
+    """Why the daemon refused *key*=*text* (the checks of `-o`), or nothing if we cannot
+    tell (our copy of the settings lacks the tiers' directories of an unprivileged user)."""
+    s = Settings(**{k: v for k, v in settings.items() if k in Settings.__dataclass_fields__})
+    try:
+        apply_options(s, f"{key}={text}")
+        s.resolve()
+    except ConfigError as exc:
+        return f": {exc}"
+    return ""
 
 
 def trace(action: str, args: list[str]) -> int:
