@@ -138,7 +138,8 @@ class Assembly:
         self.demoter = Demoter(self.store, high=s.dram_high_watermark, low=s.dram_low_watermark,
                                writeback_age=WRITEBACK_AGE_S)
         self.control = Control(self.ns, self.store, s, self.readahead, extra, pod=self.podfiles,
-                               live=LiveConfig(s, self.store, self.demoter, self.readahead))
+                               live=LiveConfig(s, self.store, self.demoter, self.readahead),
+                               faults=self.faults)
         self.ops = Operations(self.ns, self.store, self.control, self.readahead,
                               cache_mode=s.cache_mode, faults=self.faults, pod=self.podfiles)
         if self.podfiles is not None:

@@ -56,6 +56,7 @@ import os
 import time
 
 from kvfs.config import ConfigError
+from kvfs.faults import Faults
 from kvfs.liveconfig import LiveConfig, NotLive, UnknownSetting
 from kvfs.namespace import PIN_XATTR, Inode, NamespaceError
 from kvfs.store.dram import pages
@@ -80,7 +81,7 @@ DEMOTE_TRIES = 3
 
 class Control:
     def __init__(self, ns, store, settings, readahead, extra_stats=(), pod=None,
-                 live: LiveConfig | None = None) -> None:
+                 live: LiveConfig | None = None, faults: Faults | None = None) -> None:
         self.ns = ns
         self.pod = pod  # kvfs.podfiles.PodFiles, or None
         self.store = store
@@ -90,6 +91,7 @@ class Control:
         self.started = time.time()
         self.scrub = Scrub(store)
         self.live = live
+        self.faults = faults or Faults()
 
     @staticmethod
     def handles(name: bytes) -> bool:
@@ -134,6 +136,7 @@ class Control:
         raise NamespaceError(errno.ENODATA)  # prefetch, unpin, demote, evict: write-only
 
     async def set(self, ino: int, name: bytes, value: bytes, uid: int) -> None:
+        self.faults.reached("control.set")  # (tests: the daemon dies mid-command)
         if name == b"prefetch":
             inode = self._file(ino)
             self.readahead.hint(ino, inode.size)

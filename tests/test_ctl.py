@@ -564,3 +564,19 @@ def test_a_trace_keeps_its_ended_requests_when_the_daemon_dies(kv, tmp_path):
     assert out.read_text().endswith("\n")
     assert [json.loads(line)["hash_ids"] for line in out.read_text().splitlines()] == [
         [0], [1]]
+
+
+def test_the_daemon_dying_mid_command_is_one_clear_line(mount_factory, tmp_path):
+    """The daemon dies in the middle of a `config set` (its second changing command, while
+    a trace records): the command says the daemon is gone, and the trace holds every
+    request that had ended."""
+    m = mount_factory(crash_at="control.set:2")
+    out = tmp_path / "trace.jsonl"
+    ctl("trace", "start", out, m.path)
+    (m.path / "a").write_bytes(b"a")
+    time.sleep(0.2)  # (a pause: the next access ends the request)
+    (m.path / "b").write_bytes(b"b")
+    r = ctl("config", "set", "dram_low_watermark", "0.5", m.path, check=False)
+    assert r.returncode == 2, r.stderr
+    assert "the daemon of this kvfs mount is gone" in r.stderr and "Traceback" not in r.stderr
+    assert [json.loads(line)["hash_ids"] for line in out.read_text().splitlines()] == [[0]]

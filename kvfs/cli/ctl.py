@@ -46,6 +46,9 @@ import time
 from kvfs.config import ConfigError, Settings, apply_options, format_size
 
 XATTR_SIZE_MAX = 65536
+# What a call into a mount whose daemon is gone fails with: ENOTCONN once the kernel knows,
+# ECONNABORTED for a request the daemon had taken and died in the middle of.
+DAEMON_GONE = (errno.ENOTCONN, errno.ECONNABORTED)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.getxattr.restype = ctypes.c_ssize_t
 _libc.getxattr.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t)
@@ -78,7 +81,7 @@ def _getxattr(path: str, name: str) -> bytes:
 def _why(path: str, exc: OSError) -> str:
     if exc.errno in (errno.ENODATA, errno.EOPNOTSUPP, errno.ENOTSUP):
         return f"{path} is not on a kvfs mount"
-    if exc.errno == errno.ENOTCONN:
+    if exc.errno in DAEMON_GONE:
         return (f"{path}: the daemon of this kvfs mount is gone (a crash?): clear it with "
                 f"`kvfs umount MOUNTPOINT`, then mount again")
     return f"{path}: {exc.strerror}"
@@ -224,7 +227,7 @@ def change(command: str, paths: list[str], recursive: bool) -> int:
         except OSError as exc:
             print(f"kvfsctl: {path}: {_change_failed(command, path, exc)}", file=sys.stderr)
             code = 1
-            if exc.errno in (errno.EPERM, errno.ENOTCONN):
+            if exc.errno == errno.EPERM or exc.errno in DAEMON_GONE:
                 break  # the same for every other file
     return code
 
@@ -281,7 +284,7 @@ def scrub(path: str, repair: bool, as_json: bool) -> int:
                     progress.end()
                     raise CtlError(f"{f}: scrub is for root and the user who mounted kvfs "
                                    f"only") from None
-                if exc.errno == errno.ENOTCONN:
+                if exc.errno in DAEMON_GONE:
                     progress.end()
                     raise CtlError(_why(f, exc)) from None
                 if exc.errno != errno.ENOENT:  # (deleted meanwhile: nothing to check)
