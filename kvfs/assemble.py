@@ -25,6 +25,7 @@ from kvfs.readahead import Readahead
 from kvfs.store import fileinfo
 from kvfs.store.chunkstore import ChunkStore
 from kvfs.store.codec import Codec, CodecPolicy
+from kvfs.store.describe import Redescriber
 from kvfs.store.dram import OPEN_FILES
 from kvfs.store.events import StoreEvents
 from kvfs.store.fetch import StageWatch
@@ -140,8 +141,12 @@ class Assembly:
         self.control = Control(self.ns, self.store, s, self.readahead, extra, pod=self.podfiles,
                                live=LiveConfig(s, self.store, self.demoter, self.readahead),
                                faults=self.faults)
+        # after a rename, a record of the file's new name for fsck.kvfs --rebuild
+        self.redescriber = Redescriber(self.store, self.ns)
+        extra.append(self.redescriber.stats)
         self.ops = Operations(self.ns, self.store, self.control, self.readahead,
-                              cache_mode=s.cache_mode, faults=self.faults, pod=self.podfiles)
+                              cache_mode=s.cache_mode, faults=self.faults, pod=self.podfiles,
+                              renamed=self.redescriber.renamed)
         if self.podfiles is not None:
             extra.append(self.podfiles.stats)
         # opens answered by the shim's front thread, without waiting for the trio thread
@@ -262,6 +267,7 @@ class Assembly:
         self.store.through.start_tasks(nursery.start_soon)  # read-ahead of read-through files
         self.ops.spawn = nursery.start_soon  # punched holes
         nursery.start_soon(self.demoter.run)
+        nursery.start_soon(self.redescriber.run)
         nursery.start_soon(self.cleaner.run)
         nursery.start_soon(self.readahead.run)
         nursery.start_soon(self.store.run_disposals)
@@ -275,10 +281,12 @@ class Assembly:
     async def finish(self) -> None:
         """An unmount, once no request can come any more: the files the kernel wrote are
         taken, every dirty chunk is written back (`left_in_dram`: the bytes that could not
-        be), the read-ahead's learned order is saved."""
+        be), the records of renamed files' new names are written, the read-ahead's learned
+        order is saved."""
         await self.ops.pt.finish_mapped()  # (and every other take)
         log.info("unmounting: writing dirty chunks back to NVMe")
         self.left_in_dram = await self.store.writeback_all()
+        await self.redescriber.flush()
         self.readahead.save()
         self.control.stop_trace()  # (a recording under way ends complete)
 
