@@ -23,6 +23,7 @@ from collections import deque
 
 import trio
 
+from kvfs.store.location import LOST
 from kvfs.store.nvme import NvmeFull, RecordError, RecordHeader, record_length
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,8 @@ class Redescriber:
                 if any(not store.is_clean((node.ino, c)) for c in chunks):
                     return None  # its write-back will carry where it is
                 on_nvme = [(loc.rec_len, c) for c in chunks
-                           if (loc := store.get(node.ino, c)) is not None and loc.seg]
+                           if (loc := store.get(node.ino, c)) is not None and loc.seg
+                           and not loc.flags & LOST]
                 if on_nvme:
                     return node.ino, min(on_nvme)[1]
         return None
