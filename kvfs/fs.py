@@ -142,7 +142,8 @@ class Operations(pyfuse3.Operations):
 
     def __init__(self, ns: Namespace, store: ChunkStore, control, readahead, *,
                  cache_mode: bool, evictor=None, faults: Faults | None = None,
-                 pod: PodFiles | None = None) -> None:
+                 pod: PodFiles | None = None,
+                 renamed: Callable[[int], None] = lambda ino: None) -> None:
         super().__init__()
         self.faults = faults or Faults()
         self.ns = ns
@@ -157,6 +158,7 @@ class Operations(pyfuse3.Operations):
         self._fh = itertools.count(1)
         self.pt = Passthrough(ns, store, readahead, host=self)
         self.pod = pod
+        self.renamed = renamed  # told of each rename's inode (kvfs/store/describe.py)
         self._opening: dict[int, int] = {}  # ino -> opens under way (_opening_file)
         # Unlinked files whose data is freed but which the kernel still knows (see _open).
         self._data_freed: set[int] = set()
@@ -410,10 +412,11 @@ class Operations(pyfuse3.Operations):
         replaced = self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
         if replaced is not None:
             self._maybe_free(replaced)
-        if self.pod is not None:  # published under its new name (a file renamed into place)
-            moved = self.ns.lookup(parent_inode_new, name_new)
-            if moved is not None and self.ns.inodes[moved].is_reg:
-                self.pod.due(moved)
+        moved = self.ns.lookup(parent_inode_new, name_new)
+        if moved is not None:
+            self.renamed(moved)
+            if self.pod is not None and self.ns.inodes[moved].is_reg:
+                self.pod.due(moved)  # published under its new name (renamed into place)
 
     # -- files -----------------------------------------------------------------------------
     def _open_handle(self, inode: Inode, flags: int, pid: int,

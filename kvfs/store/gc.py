@@ -285,13 +285,13 @@ class Cleaner:
         """Copy one live record; returns the segment it went to (None: left in place)."""
         store = self.store
         try:
-            header, payload = await trio.to_thread.run_sync(
-                self.nvme.read_record, seg, off, loc.rec_len, limiter=store.limiter)
+            header, payload, info = await trio.to_thread.run_sync(
+                self.nvme.read_whole, seg, off, loc.rec_len, limiter=store.limiter)
         except (RecordError, OSError) as exc:
             log.error("cleaning segment %d: record at %d unreadable (%s); left in place",
                       seg.seg_id, off, exc)
             return None  # not a reason to stop the pass
-        rec_len = record_length(len(payload))
+        rec_len = record_length(len(payload), len(info))
         stream = self.table.gc_destination(seg.stream)
         try:
             dst, dst_off = self.nvme.reserve(stream, rec_len, for_gc=True)
@@ -300,10 +300,10 @@ class Cleaner:
                                 f"{seg.seg_id} and others stay as they are)")
             raise _NoRoom() from None
         moved = RecordHeader(header.codec, stream, header.ino, header.chunk, header.seq,
-                             header.raw_len, header.stored_len, header.checksum)
+                             header.raw_len, header.stored_len, header.checksum, len(info))
         try:
             await trio.to_thread.run_sync(self.nvme.write_record, dst, dst_off, moved, payload,
-                                          limiter=store.limiter)
+                                          info, limiter=store.limiter)
         except BaseException:
             self.nvme.mark_dead(dst.seg_id, rec_len)
             raise
