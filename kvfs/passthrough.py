@@ -6,7 +6,7 @@ FUSE passthrough (Linux 6.9+): an open for reading of a file whose chunks are al
 reads (and mmap) from tmpfs without asking the daemon. The kernel allows one backing file per
 inode while any such open lives, and refuses (EIO) an open of that inode without it; so while
 an inode is in passthrough mode every open of it carries its backing id, and the ones that
-must not bypass the daemon (writers, O_DIRECT, a file that does not check out) also carry
+must not bypass the daemon (writers, a file that does not check out) also carry
 direct_io, which sends their reads and writes to the daemon as before. The store keeps the
 DRAM copies of such a file where they are (`ChunkStore.pin_passthrough`) until its last
 passthrough open is released.
@@ -233,7 +233,9 @@ class Passthrough:
             self.revoke(ino)
             if ino in self.backing and (adopted := self._adopt_writer(node, flags)) is not None:
                 return adopted
-        reader = not writer and not flags & os.O_DIRECT
+        # O_DIRECT readers too: the kernel then reads the DRAM file itself, and tmpfs does not
+        # check O_DIRECT's alignment (only requests that reach kvfs are checked: DESIGN.md).
+        reader = not writer
         # a reader of a file on NVMe: bring it into DRAM first, the kernel reads it from there
         staged = await self.store.stage_file(ino, node.size) if reader else -1
         ready = staged >= 0 and await self.store.passthrough_ready(ino, node.size)
@@ -258,12 +260,13 @@ class Passthrough:
 
     def kernel_write_expected(self, node: Inode, flags: int, parent: int | None) -> int | None:
         """Should the kernel write this open's bytes straight into the DRAM file? Only for a
-        write-only open (O_RDWR files are worked on, and must stay movable while open; not
-        O_DIRECT) of a file with nothing in it and nothing else open, in a directory whose
-        files have been small enough to fit (tiering.KernelWritePolicy). Returns the size the
-        file is expected to reach if so, else None."""
-        if (self.shim is None or flags & os.O_ACCMODE != os.O_WRONLY or flags & os.O_DIRECT
-                or node.size or node.opens or node.ino in self.backing or parent is None):
+        write-only open (O_RDWR files are worked on, and must stay movable while open;
+        O_DIRECT ones too: tmpfs takes their writes unchecked, see DESIGN.md) of a file with
+        nothing in it and nothing else open, in a directory whose files have been small
+        enough to fit (tiering.KernelWritePolicy). Returns the size the file is expected to
+        reach if so, else None."""
+        if (self.shim is None or flags & os.O_ACCMODE != os.O_WRONLY or node.size or node.opens
+                or node.ino in self.backing or parent is None):
             return None
         expected = self.kernel_write_policy.expected(parent)
         return expected if expected is not None and self.store.kernel_may_write(expected) else None
