@@ -523,7 +523,8 @@ class Operations(pyfuse3.Operations):
     async def create(self, parent_inode, name, mode, flags, ctx):
         self.store.check_room()
         mode = stat.S_IFREG | (mode & ~ctx.umask & 0o7777)
-        expected = self.pt.kernel_write_expected(Inode(0, mode), flags, parent_inode)
+        expected = self.pt.kernel_write_expected(Inode(0, mode), flags,
+                                                 self.pt.directories(parent_inode))
         if expected is not None:
             with self.store.meta.write():  # one commit: the inode and its writer's record
                 node = self.ns.create(parent_inode, name, mode, ctx.uid, ctx.gid)

@@ -1264,7 +1264,8 @@ def test_new_files_are_written_straight_into_dram(kv):
 
 
 def test_what_is_streamed_never_goes_unseen(kv):
-    """A directory's first file and read-write opens go through the daemon;
+    """A directory's first file (with no file closed in the two above it either) and
+    read-write opens go through the daemon;
     a file streamed into DRAM is demoted once closed, like any other."""
     d = kv.path / "d"
     d.mkdir()
@@ -1283,6 +1284,28 @@ def test_what_is_streamed_never_goes_unseen(kv):
         time.sleep(0.1)
     for name, data in files.items():
         assert (d / name).read_bytes() == data
+
+
+def test_a_new_directorys_first_file_streams_at_its_siblings_size(kv):
+    """vLLM's fs tier fans blocks out into <model>/<hhh>/<hh>_g0/ directories, nearly each
+    block in a new one: a directory with no file closed in it yet takes the size of the
+    files of the nearest directory above it (up to two levels) that had some, and its first
+    file is written by the kernel; further up, nothing is predicted."""
+    model = kv.path / "m_r0"
+    (model / "abc" / "de_g0").mkdir(parents=True)
+    data = os.urandom(100_000)
+    (model / "abc" / "de_g0" / "0.bin").write_bytes(data)
+    opens = _stream_opens(kv)
+    (model / "abc" / "ff_g0").mkdir()
+    (model / "abc" / "ff_g0" / "1.bin").write_bytes(data)  # a sibling directory
+    (model / "f01" / "00_g0").mkdir(parents=True)
+    (model / "f01" / "00_g0" / "2.bin").write_bytes(data)  # a cousin
+    assert _stream_opens(kv) == opens + 2
+    (model / "x" / "y" / "z").mkdir(parents=True)
+    (model / "x" / "y" / "z" / "3.bin").write_bytes(data)  # three levels below m_r0
+    assert _stream_opens(kv) == opens + 2
+    for name in ("abc/de_g0/0.bin", "abc/ff_g0/1.bin", "f01/00_g0/2.bin", "x/y/z/3.bin"):
+        assert (model / name).read_bytes() == data
 
 
 def test_a_streamed_file_survives_a_crash_while_open(kv):

@@ -514,8 +514,7 @@ class Target:
         facts: dict = {}
         if self.kind == "kvfs-nvme":
             for f in pattern.files(run):
-                # Written back and dropped from DRAM, as `kvfsctl demote` does.
-                os.setxattr(f, "user.kvfs.demote", b"1")
+                demote(f)
             dram = self.status()["tiers"]["dram"]
             facts["dram_after_demote"] = dram["used_bytes"]
         if self.kind in ("disk", "kvfs-nvme"):
@@ -525,6 +524,20 @@ class Target:
     def status(self) -> dict:
         assert isinstance(self.mount, bf.KvfsMount)
         return self.mount.status()
+
+
+def demote(f: str | int, wait_s: float = 30.0) -> None:
+    """Write *f* back and drop it from DRAM, as `kvfsctl demote` does; EBUSY (a file the
+    kernel wrote, not taken yet) is retried."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            os.setxattr(f, "user.kvfs.demote", b"1")
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def kvfs_target(kind: str, tmp: Path, args, env: dict, dram: int) -> Target:
