@@ -202,7 +202,7 @@ class Operations(pyfuse3.Operations):
                 or self.pt.busy(inode.ino)  # the take's end frees it
                 or inode.ino in self._opening):  # so does the open's (_opening_file)
             return
-        if inode.is_reg:
+        if inode.is_reg and inode.ino not in self._data_freed:  # (else freed at its unlink)
             self.pt.freed(inode.ino)
             if self.pod is not None:
                 self.pod.forgotten(inode.ino)
@@ -399,7 +399,8 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def unlink(self, parent_inode, name, ctx):
-        self._maybe_free(self.ns.remove(parent_inode, name, want_dir=False))
+        with self.store.meta.write():  # one commit: the name and, if it was the last, the data
+            self._maybe_free(self.ns.remove(parent_inode, name, want_dir=False))
 
     @_errors
     async def rmdir(self, parent_inode, name, ctx):
