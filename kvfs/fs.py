@@ -204,7 +204,7 @@ class Operations(pyfuse3.Operations):
                 or self.pt.busy(inode.ino)  # the take's end frees it
                 or inode.ino in self._opening):  # so does the open's (_opening_file)
             return
-        if inode.is_reg:
+        if inode.is_reg and inode.ino not in self._data_freed:  # (else freed at its unlink)
             self.pt.freed(inode.ino)
             if self.pod is not None:
                 self.pod.forgotten(inode.ino)
@@ -401,7 +401,8 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def unlink(self, parent_inode, name, ctx):
-        self._maybe_free(self.ns.remove(parent_inode, name, want_dir=False))
+        with self.store.meta.write():  # one commit: the name and, if it was the last, the data
+            self._maybe_free(self.ns.remove(parent_inode, name, want_dir=False))
 
     @_errors
     async def rmdir(self, parent_inode, name, ctx):
@@ -526,7 +527,8 @@ class Operations(pyfuse3.Operations):
     async def create(self, parent_inode, name, mode, flags, ctx):
         self.store.check_room()
         mode = stat.S_IFREG | (mode & ~ctx.umask & 0o7777)
-        expected = self.pt.kernel_write_expected(Inode(0, mode), flags, parent_inode)
+        expected = self.pt.kernel_write_expected(Inode(0, mode), flags,
+                                                 self.pt.directories(parent_inode))
         if expected is not None:
             with self.store.meta.write():  # one commit: the inode and its writer's record
                 node = self.ns.create(parent_inode, name, mode, ctx.uid, ctx.gid)

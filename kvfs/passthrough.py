@@ -6,7 +6,7 @@ FUSE passthrough (Linux 6.9+): an open for reading of a file whose chunks are al
 reads (and mmap) from tmpfs without asking the daemon. The kernel allows one backing file per
 inode while any such open lives, and refuses (EIO) an open of that inode without it; so while
 an inode is in passthrough mode every open of it carries its backing id, and the ones that
-must not bypass the daemon (writers, O_DIRECT, a file that does not check out) also carry
+must not bypass the daemon (writers, a file that does not check out) also carry
 direct_io, which sends their reads and writes to the daemon as before. The store keeps the
 DRAM copies of such a file where they are (`ChunkStore.pin_passthrough`) until its last
 passthrough open is released.
@@ -69,6 +69,9 @@ MAPPED_CHECK_S = 5.0
 # Files of at most this many chunks go to the front thread's table (a staged chunk checks
 # its whole file; bigger files are read through the daemon anyway).
 FAST_OPEN_MAX_CHUNKS = 16
+# A new file's size is predicted from its directory's files, or those of the nearest of the
+# SIZE_LEVELS - 1 directories above it (`Passthrough.directories`).
+SIZE_LEVELS = 3
 
 # How an open is answered: (backing id, direct_io, counted as one of the file's writers).
 Mode = tuple[int, bool, bool]
@@ -212,6 +215,17 @@ class Passthrough:
         names = self.ns.names_of(ino)
         return min(names)[0] if names else None
 
+    def directories(self, d: int | None) -> list[int]:
+        """Directory *d* and the ones above it, up to SIZE_LEVELS of them: what the size of a
+        new file in *d* is predicted from. Engines fan blocks out under a tree of small
+        directories (vLLM's <model>/<hhh>/<hh>_g<group>/) whose files share one size: a new
+        leaf directory's first file takes the size its siblings' files reached."""
+        dirs: list[int] = []
+        while d is not None and len(dirs) < SIZE_LEVELS:
+            dirs.append(d)
+            d = self._parent(d)  # (None above the root, which has no name)
+        return dirs
+
     async def mode(self, node: Inode, flags: int) -> Mode | None:
         """(backing id, direct_io, writer) for a new open of *node*, or None for an ordinary
         open. The open is then counted as one carrying the id (and, if *writer*, as one of
@@ -222,7 +236,8 @@ class Passthrough:
         writer = flags & os.O_ACCMODE != os.O_RDONLY
         if ino in self.writers:  # everything goes to the DRAM file while the kernel writes it
             return self._join_writing(node, writer)
-        if (expected := self.kernel_write_expected(node, flags, self._parent(ino))) is not None:
+        expected = self.kernel_write_expected(node, flags, self.directories(self._parent(ino)))
+        if expected is not None:
             return self.start_writing(ino, expected)
         if writer:
             # An open carrying the backing id can be mmap()ed shared and writable, and such a
@@ -233,7 +248,9 @@ class Passthrough:
             self.revoke(ino)
             if ino in self.backing and (adopted := self._adopt_writer(node, flags)) is not None:
                 return adopted
-        reader = not writer and not flags & os.O_DIRECT
+        # O_DIRECT readers too: the kernel then reads the DRAM file itself, and tmpfs does not
+        # check O_DIRECT's alignment (only requests that reach kvfs are checked: DESIGN.md).
+        reader = not writer
         # a reader of a file on NVMe: bring it into DRAM first, the kernel reads it from there
         staged = await self.store.stage_file(ino, node.size) if reader else -1
         ready = staged >= 0 and await self.store.passthrough_ready(ino, node.size)
@@ -256,16 +273,19 @@ class Passthrough:
         """The open reply of handle *fh* carries *mode*'s backing id."""
         self.shim.mark_passthrough(fh, mode[0], mode[1])
 
-    def kernel_write_expected(self, node: Inode, flags: int, parent: int | None) -> int | None:
+    def kernel_write_expected(self, node: Inode, flags: int, dirs: list[int]) -> int | None:
         """Should the kernel write this open's bytes straight into the DRAM file? Only for a
-        write-only open (O_RDWR files are worked on, and must stay movable while open; not
-        O_DIRECT) of a file with nothing in it and nothing else open, in a directory whose
-        files have been small enough to fit (tiering.KernelWritePolicy). Returns the size the
-        file is expected to reach if so, else None."""
-        if (self.shim is None or flags & os.O_ACCMODE != os.O_WRONLY or flags & os.O_DIRECT
-                or node.size or node.opens or node.ino in self.backing or parent is None):
+        write-only open (O_RDWR files are worked on, and must stay movable while open;
+        O_DIRECT ones too: tmpfs takes their writes unchecked, see DESIGN.md) of a file with
+        nothing in it and nothing else open, in a directory whose files have been small
+        enough to fit (tiering.KernelWritePolicy), or, if none was closed there yet, in the
+        nearest directory above it where files were (*dirs*: `directories`). Returns the size
+        the file is expected to reach if so, else None."""
+        if (self.shim is None or flags & os.O_ACCMODE != os.O_WRONLY or node.size or node.opens
+                or node.ino in self.backing):
             return None
-        expected = self.kernel_write_policy.expected(parent)
+        expected = next((e for d in dirs
+                         if (e := self.kernel_write_policy.expected(d)) is not None), None)
         return expected if expected is not None and self.store.kernel_may_write(expected) else None
 
     def start_writing(self, ino: int, expected: int) -> Mode | None:
@@ -338,10 +358,11 @@ class Passthrough:
                 self._take_wakeup.set()
 
     def closed_writable(self, node: Inode) -> None:
-        """A writable open of *node* was closed: what size its directory's files reach."""
-        parent = self._parent(node.ino)
-        if parent is not None:
-            self.kernel_write_policy.closed(parent, self.size(node))
+        """A writable open of *node* was closed: what size the files of its directory (and of
+        the directories above it, `directories`) reach."""
+        size = self.size(node)
+        for d in self.directories(self._parent(node.ino)):
+            self.kernel_write_policy.closed(d, size)
 
     def _unback(self, ino: int) -> None:
         """One holder of *ino*'s backing id (a handle, or its fast-open entry) lets go."""

@@ -509,8 +509,10 @@ class KernelWritePolicy:
     kvfs sees nothing of such a file until its writer closes it, so it cannot demote any of
     it meanwhile nor answer ENOSPC: the file must fit in the DRAM tier's free room. Its size
     is predicted from its directory: engines write a directory's KV blocks at one size, so
-    the largest of the last SIZE_MEMORY files closed there is the guess. A directory kvfs
-    has not seen a file closed in yet gets no streaming (its first files teach the size).
+    the largest of the last SIZE_MEMORY files closed there is the guess. Passthrough records
+    each close in the file's directory and the two above it, and asks them in that order:
+    a tree none of whose three levels saw a file closed gets no streaming (its first files
+    teach the size).
     """
 
     SIZE_MEMORY = 16

@@ -75,6 +75,7 @@ cdef extern from "kvfs_shim.h":
     int kvfs_ahead_offer(unsigned long long ino, unsigned long long chunk, const char *data,
                          unsigned int length)
     void kvfs_ahead_withdraw(unsigned long long ino, long long chunk) nogil
+    unsigned int kvfs_ahead_take_quiet(unsigned int *hist)
 
 
 def set_rules(*, unsigned int direct_align, bytes file_caps, unsigned long long first_fast_fh
@@ -229,7 +230,8 @@ def parked_opens() -> int:
 def set_read_handler(handler, unsigned long long chunk_size) -> None:
     """handler(ino, fh, off, size, pid, us): the front thread answered a READ of *size*
     bytes at *off* from chunks offered with `ahead_offer` (*us*: microseconds from the
-    request to the reply). Runs on the FUSE thread with the GIL held, in the order of the
+    request to the reply) that was the first from a chunk, began at a chunk's first byte or
+    reached a chunk's end; the others are only counted (`ahead_quiet`). Runs on the FUSE thread with the GIL held, in the order of the
     requests around it; must not block or raise. *chunk_size* is the store's. With None,
     no READ is answered there."""
     kvfs_set_read_handler(handler, chunk_size)
@@ -251,3 +253,11 @@ def ahead_withdraw(unsigned long long ino, long long chunk=-1) -> None:
     now on; returns once none is being copied."""
     with nogil:
         kvfs_ahead_withdraw(ino, chunk)
+
+
+def ahead_quiet() -> tuple[int, list[int]]:
+    """The READs the front thread answered without calling the read handler since the last
+    call: how many, and their latencies (counts by min(23, microseconds.bit_length()))."""
+    cdef unsigned int hist[24]
+    n = kvfs_ahead_take_quiet(hist)
+    return n, [hist[i] for i in range(24)]

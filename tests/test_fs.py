@@ -769,8 +769,8 @@ def test_reads_of_a_dram_resident_file_bypass_the_daemon(kv):
 def test_other_opens_of_a_file_in_passthrough_mode(kv):
     """While a reader holds a file in passthrough mode, every other open of it must still
     work (the kernel insists on one backing file per inode): more readers, a writer whose
-    bytes the reader sees at once, an O_DIRECT reader still held to alignment, truncation
-    and growth."""
+    bytes the reader sees at once, an O_DIRECT reader (served from the DRAM file too, so
+    unaligned reads are not refused), truncation and growth."""
     p = kv.path / "shared"
     data = bytearray(os.urandom(150_000))
     p.write_bytes(data)
@@ -792,17 +792,57 @@ def test_other_opens_of_a_file_in_passthrough_mode(kv):
         assert os.pread(reader, 6000, 0) == bytes(data[:1000]) + bytes(4000)
         os.close(writer)
         direct = os.open(p, os.O_RDONLY | os.O_DIRECT)
-        assert _err(os.pread, direct, 100, 0) == errno.EINVAL
+        assert os.pread(direct, 100, 3) == bytes(data[3:103])
         os.close(direct)
     finally:
         os.close(reader)
     assert p.read_bytes() == bytes(data[:1000]) + bytes(4000)
 
 
+def test_o_direct_opens_of_dram_resident_files_skip_the_daemon(kv):
+    """O_DIRECT, as vLLM's fs tier and LMCache use it: a new file's O_DIRECT writer (in a
+    directory whose files' size is known) is written by the kernel into the DRAM file, and
+    an O_DIRECT reader of a file wholly in DRAM reads it by passthrough. tmpfs does not
+    refuse unaligned O_DIRECT, so there unaligned reads succeed, with the right bytes. Where
+    the requests reach the daemon, ext4's EINVAL holds: an O_RDWR O_DIRECT open of the same
+    file (and read-through files: tests/store/test_chunkstore.py)."""
+    d = kv.path / "od"
+    d.mkdir()
+    _teach(kv, d, 128 << 10)
+    buf = mmap.mmap(-1, 128 << 10)
+    data = os.urandom(128 << 10)
+    buf[:] = data
+    writes = _stream_opens(kv)
+    fd = os.open(d / "blk", os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC | os.O_DIRECT,
+                 0o644)
+    try:
+        assert os.write(fd, buf) == len(data)
+    finally:
+        os.close(fd)
+    assert _stream_opens(kv) == writes + 1
+    reads = _pt_opens(kv)
+    buf[:] = bytes(len(buf))
+    fd = os.open(d / "blk", os.O_RDONLY | os.O_DIRECT)
+    try:
+        assert os.preadv(fd, [buf], 0) == len(data) and buf[:] == data
+        assert os.pread(fd, 100, 3) == data[3:103]
+    finally:
+        os.close(fd)
+    assert _pt_opens(kv) > reads
+    fd = os.open(d / "blk", os.O_RDWR | os.O_DIRECT)
+    try:
+        assert _err(os.pread, fd, 100, 3) == errno.EINVAL
+        assert _err(os.pwrite, fd, b"x", 1) == errno.EINVAL
+        assert os.preadv(fd, [buf], 0) == len(data) and buf[:] == data
+    finally:
+        os.close(fd)
+    assert (d / "blk").read_bytes() == data
+
+
 def test_passthrough_only_for_files_wholly_in_dram(kv):
     """A reader of a file with chunks on NVMe has them staged in DRAM before its open
-    returns (counted as NVMe reads), then reads from DRAM; a writer's open and an O_DIRECT
-    open are served by the daemon; so is everything with passthrough off."""
+    returns (counted as NVMe reads), then reads from DRAM, an O_DIRECT reader's too; a
+    writer's open is served by the daemon; so is everything with passthrough off."""
     files = {f"n{i}": os.urandom(256 << 10) for i in range(40)}  # 10 MiB through 4 MiB
     for name, data in files.items():
         (kv.path / name).write_bytes(data)
@@ -827,9 +867,10 @@ def test_passthrough_only_for_files_wholly_in_dram(kv):
     opens = _pt_opens(kv)
     with open(kv.path / on_nvme[1], "r+b") as f:
         assert f.read(10) == files[on_nvme[1]][:10]
+    assert _pt_opens(kv) == opens
     fd = os.open(kv.path / on_nvme[2], os.O_RDONLY | os.O_DIRECT)
     os.close(fd)
-    assert _pt_opens(kv) == opens
+    assert _pt_opens(kv) == opens + 1
     kv.unmount()
     kv.start(passthrough="0")
     for name, data in files.items():
@@ -879,8 +920,8 @@ def _fast(m) -> tuple[int, int]:
 def test_reopens_of_a_resident_file_are_answered_by_the_front_thread(mount_factory):
     """The first passthrough open of a file finds it ready (checked, all in DRAM); later
     read-only opens are answered by the front thread, count as opens and DRAM reads all
-    the same, and hold the file's DRAM copies while open. Writers, O_DIRECT and O_TRUNC
-    opens still go to the daemon. With -o nofast_open, none is answered there."""
+    the same, and hold the file's DRAM copies while open, O_DIRECT ones too. Writers and
+    O_TRUNC opens still go to the daemon. With -o nofast_open, none is answered there."""
     m = mount_factory()
     # Files the kernel wrote straight into DRAM are offered once taken: their first open
     # for reading is answered by the front thread too (while DRAM has room: nothing is
@@ -918,6 +959,7 @@ def test_reopens_of_a_resident_file_are_answered_by_the_front_thread(mount_facto
     assert f"{fast} of them answered by the front thread" in r.stdout, r.stdout + r.stderr
     fd = os.open(m.path / "r", os.O_RDONLY | os.O_DIRECT)
     os.close(fd)
+    fast += 1
     with open(m.path / "r", "r+b") as f:
         assert f.read(10) == data[:10]
     assert _fast(m)[0] == fast
@@ -1222,7 +1264,8 @@ def test_new_files_are_written_straight_into_dram(kv):
 
 
 def test_what_is_streamed_never_goes_unseen(kv):
-    """A directory's first file, read-write opens and O_DIRECT opens go through the daemon;
+    """A directory's first file (with no file closed in the two above it either) and
+    read-write opens go through the daemon;
     a file streamed into DRAM is demoted once closed, like any other."""
     d = kv.path / "d"
     d.mkdir()
@@ -1241,6 +1284,28 @@ def test_what_is_streamed_never_goes_unseen(kv):
         time.sleep(0.1)
     for name, data in files.items():
         assert (d / name).read_bytes() == data
+
+
+def test_a_new_directorys_first_file_streams_at_its_siblings_size(kv):
+    """vLLM's fs tier fans blocks out into <model>/<hhh>/<hh>_g0/ directories, nearly each
+    block in a new one: a directory with no file closed in it yet takes the size of the
+    files of the nearest directory above it (up to two levels) that had some, and its first
+    file is written by the kernel; further up, nothing is predicted."""
+    model = kv.path / "m_r0"
+    (model / "abc" / "de_g0").mkdir(parents=True)
+    data = os.urandom(100_000)
+    (model / "abc" / "de_g0" / "0.bin").write_bytes(data)
+    opens = _stream_opens(kv)
+    (model / "abc" / "ff_g0").mkdir()
+    (model / "abc" / "ff_g0" / "1.bin").write_bytes(data)  # a sibling directory
+    (model / "f01" / "00_g0").mkdir(parents=True)
+    (model / "f01" / "00_g0" / "2.bin").write_bytes(data)  # a cousin
+    assert _stream_opens(kv) == opens + 2
+    (model / "x" / "y" / "z").mkdir(parents=True)
+    (model / "x" / "y" / "z" / "3.bin").write_bytes(data)  # three levels below m_r0
+    assert _stream_opens(kv) == opens + 2
+    for name in ("abc/de_g0/0.bin", "abc/ff_g0/1.bin", "f01/00_g0/2.bin", "x/y/z/3.bin"):
+        assert (model / name).read_bytes() == data
 
 
 def test_a_streamed_file_survives_a_crash_while_open(kv):

@@ -346,6 +346,7 @@ class ChunkStore:
         return out
 
     def stats(self) -> dict:
+        self.through.count_quiet()
         k, m = self.counters, self.chunks
         unseen = self.unseen_bytes() if self.kernel_written else 0
         segs = self.nvme.segments.values()
@@ -375,6 +376,8 @@ class ChunkStore:
                       "read_through_buffer_used_chunks": k.through_buffer_used,
                       # ... READs answered from them by the front thread (kvfs._fuseshim)
                       "read_through_front_reads": k.front_reads,
+                      # ... of which the trio thread heard (the rest changed nothing there)
+                      "read_through_front_notices": k.front_notices,
                       "latency_us_log2_histogram": list(k.read_latency_us),
                       "dram_latency_us_log2_histogram": list(k.read_latency_dram_us),
                       "nvme_latency_us_log2_histogram": list(k.read_latency_nvme_us)},

@@ -137,6 +137,7 @@ class Counters:
     through_buffered: int = 0  # NVMe chunks read ahead of a read-through reader (into memory)
     through_buffer_used: int = 0  # ... and then read by it (in chunks_from_nvme)
     front_reads: int = 0  # READs the front thread answered from chunks read ahead
+    front_notices: int = 0  # ... of which the trio thread had a notice (readthrough.py)
 
     def count_read(self, tier: str, first_byte: bool) -> None:
         """A READ took bytes of one chunk from *tier* ("dram", "nvme" or "holes"): one

@@ -65,6 +65,10 @@ class AheadServer(Protocol):
     def ahead_withdraw(self, ino: int, chunk: int) -> None:
         """No more READs are answered from the chunk once this returns."""
 
+    def ahead_quiet(self) -> tuple[int, list[int]]:
+        """The READs answered without a `front_read` notice since the last call (those in
+        the middle of a chunk already noticed): how many, and their latency histogram."""
+
 
 @dataclass(eq=False)
 class _Ahead:
@@ -240,6 +244,8 @@ class ReadThrough:
         first, last = off // cs, (off + size - 1) // cs
         self.sequential(ino, first, last, self.store.nchunks(file_size), (off + size) // cs)
         self.store.counters.front_reads += 1
+        self.store.counters.front_notices += 1
+        self.count_quiet()
         for c in range(first, last + 1):
             self.store.counters.count_read("nvme", off <= c * cs)
             self.store.record_us(us, self.store.counters.read_latency_nvme_us)
@@ -251,6 +257,21 @@ class ReadThrough:
                 self.store.counters.through_buffer_used += 1
                 self.done(ino, c, ahead.loc, ahead.data)
                 self.drop((ino, c), ahead)
+
+    def count_quiet(self) -> None:
+        """Count the READs the AheadServer answered without a notice (nothing else to do
+        for them: they changed nothing `front_read` acts on)."""
+        if self.ahead_server is None:
+            return
+        n, hist = self.ahead_server.ahead_quiet()
+        if not n:
+            return
+        k = self.store.counters
+        k.front_reads += n
+        k.requests_from_nvme += n
+        for bucket, count in enumerate(hist):
+            k.read_latency_us[bucket] += count
+            k.read_latency_nvme_us[bucket] += count
 
     def _withdraw(self, ino: int, c: int, ahead: _Ahead) -> None:
         ahead.served = False

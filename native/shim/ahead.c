@@ -4,7 +4,12 @@
    here once it is read and checked (kvfs_ahead_offer: the bytes stay Python's, kept alive
    until it withdraws them). A READ that lies wholly within the data of offered chunks is
    answered by the front thread from them, and a notice of it queued for Python, which does
-   the read's bookkeeping (counters, more read-ahead) as if it had answered it.
+   the read's bookkeeping (counters, more read-ahead) as if it had answered it. Only READs
+   that change something there get a notice: the first from a chunk, one from its first
+   byte, one that reaches its end (more read-ahead, a chunk read, the chunk consumed). The
+   others (a 4 KiB reader's 250 READs in the middle of a 1 MiB chunk) are only counted
+   here, with their latencies, until Python takes the counts (kvfs_ahead_take_quiet): a
+   notice costs the trio thread more than the front thread's whole answer.
    Protocol, under kvfs_front_lock (which guards the table):
    - the front thread marks the chunks it copies from busy, copies without the lock, and
      then unmarks them; a READ that reaches a chunk's end consumes it (Python drops it on
@@ -25,12 +30,15 @@ struct ahead {
     uint64_t ino, chunk;     /* ino 0: a free slot */
     const char *data; uint32_t len;
     int busy, gone;
+    int noted;               /* a READ from it had a notice */
 };
 static struct ahead table[AHEAD_SLOTS];
 static int top = 0;                /* no slot in use at or above it */
 static uint64_t chunk_size = 0;    /* 0: no READ is answered here */
 static pthread_cond_t idle = PTHREAD_COND_INITIALIZER;
 static PyObject *read_fn = NULL;
+static uint32_t quiet = 0;  /* READs answered here without a notice, not yet taken */
+static uint32_t quiet_hist[KVFS_LATENCY_BUCKETS];  /* ... by log2 of their microseconds */
 
 static int find(uint64_t ino, uint64_t chunk) {  /* with the lock */
     for (int s = 0; s < top; s++)
@@ -56,7 +64,7 @@ int kvfs_ahead_offer(uint64_t ino, uint64_t chunk, const char *data, uint32_t le
         while (s < top && table[s].ino != 0)
             s++;
         if (s < AHEAD_SLOTS) {
-            struct ahead a = { ino, chunk, data, len, 0, 0 };
+            struct ahead a = { ino, chunk, data, len, 0, 0, 0 };
             table[s] = a;
             if (s == top)
                 top++;
@@ -113,7 +121,7 @@ int kvfs_fast_read(const char *mem, size_t n) {
         return 0;
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    int slot[READ_PIECES], k = 0;
+    int slot[READ_PIECES], k = 0, notice = 0;
     uint32_t stop[READ_PIECES];
     struct iovec iov[READ_PIECES + 1];
     pthread_mutex_lock(&kvfs_front_lock);
@@ -127,17 +135,21 @@ int kvfs_fast_read(const char *mem, size_t n) {
         }
         slot[k] = s;
         stop[k] = (uint32_t)b;
+        notice |= !table[s].noted || a == 0 || b == table[s].len;
         iov[k + 1].iov_base = (void *)(table[s].data + a);
         iov[k + 1].iov_len = (size_t)(b - a);
     }
-    for (int i = 0; i < k; i++)
+    for (int i = 0; i < k; i++) {
         table[slot[i]].busy++;
+        table[slot[i]].noted = 1;
+    }
     pthread_mutex_unlock(&kvfs_front_lock);
     struct fuse_out_header out = { (uint32_t)(sizeof out + in->size), 0, h->unique };
     iov[0].iov_base = &out;
     iov[0].iov_len = sizeof out;
     int sent = kvfs_front_send(iov, k + 1) == 0;
-    struct kvfs_msg *m = sent ? (struct kvfs_msg *)calloc(1, sizeof *m) : NULL;
+    uint32_t us = us_since(&t0);
+    struct kvfs_msg *m = sent && notice ? (struct kvfs_msg *)calloc(1, sizeof *m) : NULL;
     if (m != NULL) {
         m->kind = KVFS_MSG_READ;
         m->ino = h->nodeid;
@@ -145,7 +157,7 @@ int kvfs_fast_read(const char *mem, size_t n) {
         m->pid = h->pid;
         m->off = off;
         m->len = in->size;
-        m->us = us_since(&t0);
+        m->us = us;
     }
     pthread_mutex_lock(&kvfs_front_lock);
     for (int i = 0; i < k; i++) {
@@ -157,10 +169,29 @@ int kvfs_fast_read(const char *mem, size_t n) {
             release(slot[i]);
     }
     pthread_cond_broadcast(&idle);
-    if (m != NULL)
+    if (m != NULL) {
         kvfs_push(m);
+    } else if (sent) {  /* (or no memory for the notice: counted all the same) */
+        int bucket = us ? 32 - __builtin_clz(us) : 0;
+        quiet++;
+        quiet_hist[bucket < KVFS_LATENCY_BUCKETS ? bucket : KVFS_LATENCY_BUCKETS - 1]++;
+    }
     pthread_mutex_unlock(&kvfs_front_lock);
     return 1;  /* (not sent: the reader was interrupted and wants no reply) */
+}
+
+/* The READs answered here without a notice since the last call: their number, and into
+   *hist* their latencies by log2 of microseconds (as Python's histograms count them). */
+uint32_t kvfs_ahead_take_quiet(uint32_t hist[KVFS_LATENCY_BUCKETS]) {
+    pthread_mutex_lock(&kvfs_front_lock);
+    uint32_t n = quiet;
+    for (int i = 0; i < KVFS_LATENCY_BUCKETS; i++) {
+        hist[i] = quiet_hist[i];
+        quiet_hist[i] = 0;
+    }
+    quiet = 0;
+    pthread_mutex_unlock(&kvfs_front_lock);
+    return n;
 }
 
 void kvfs_set_read_handler(PyObject *fn, uint64_t size) {

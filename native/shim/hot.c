@@ -1,8 +1,8 @@
 /* Opens of resident files answered by the front thread, without the trio thread. An OPEN for
-   reading (no O_TRUNC, no O_DIRECT) of a file in the fast-open table (inodes whose every
-   chunk is in DRAM and checked, with their backing id, kept by kvfs.fs) is answered there at
-   once, in passthrough mode, with a handle from the first one kvfs.fs leaves to the front
-   thread (set_rules), and a notice of it is queued for Python.
+   reading (no O_TRUNC; O_DIRECT too: tmpfs serves it) of a file in the fast-open table
+   (inodes whose every chunk is in DRAM and checked, with their backing id, kept by kvfs.fs)
+   is answered there at once, in passthrough mode, with a handle from the first one kvfs.fs
+   leaves to the front thread (set_rules), and a notice of it is queued for Python.
 
    Protocol (under kvfs_front_lock, which guards the table and the parked opens):
    - the front thread looks an inode up and queues the notice under the lock, and only then
@@ -170,7 +170,7 @@ int kvfs_fast_open(const char *mem, size_t n) {
     if (h->opcode != FUSE_OPEN || n < sizeof *h + sizeof(struct fuse_open_in))
         return 0;
     const struct fuse_open_in *in = (const struct fuse_open_in *)(mem + sizeof *h);
-    if ((in->flags & O_ACCMODE) != O_RDONLY || (in->flags & (O_TRUNC | O_DIRECT)))
+    if ((in->flags & O_ACCMODE) != O_RDONLY || (in->flags & O_TRUNC))
         return 0;
     struct kvfs_msg *m = (struct kvfs_msg *)calloc(1, sizeof *m);
     if (m == NULL)

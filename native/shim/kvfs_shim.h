@@ -69,6 +69,8 @@ void kvfs_set_opened_handler(PyObject *fn);
 void kvfs_set_read_handler(PyObject *fn, uint64_t chunk_size);        /* ahead.c */
 int kvfs_ahead_offer(uint64_t ino, uint64_t chunk, const char *data, uint32_t len);
 void kvfs_ahead_withdraw(uint64_t ino, long long chunk);
+#define KVFS_LATENCY_BUCKETS 24  /* kvfs.store.reads: min(23, us.bit_length()) */
+uint32_t kvfs_ahead_take_quiet(uint32_t hist[KVFS_LATENCY_BUCKETS]);
 
 /* -- the operation table (interpose.c's fuse_session_new calls each, in this order) ----- */
 int kvfs_fallocate_install(struct fuse_lowlevel_ops *ops);  /* 1: the handler was added */

@@ -126,6 +126,39 @@ def test_nvme_reads_promote_when_room(mount_factory):
     assert m.status()["moves"]["promotions"] > 0
 
 
+def test_small_reads_of_a_read_ahead_chunk_reach_the_trio_thread_only_where_they_matter(
+        mount_factory):
+    """A 4 KiB reader of a read-through file is answered by the front thread from chunks read
+    ahead; of its READs only those that change something (the first from a chunk, one from
+    its first byte, one reaching its end) are the trio thread's to hear of. The others are
+    counted all the same: every READ once, in the requests and the latency histogram."""
+    m = mount_factory(read_through_min="512K")
+    data = os.urandom(16 * CHUNK)
+    (m.path / "big").write_bytes(data)
+    m.unmount()
+    m.lose_dram()  # every chunk on NVMe only
+    m.start()
+    before = m.status()["reads"]
+    got, reads = bytearray(), 0
+    with open(m.path / "big", "rb", buffering=0) as f:
+        _wait(lambda: m.status()["reads"]["read_through_buffered_chunks"] >= 16)
+        while piece := f.read(4096):
+            got += piece
+            reads += 1
+    assert got == data
+    st = m.status()["reads"]
+    front = st["read_through_front_reads"] - before["read_through_front_reads"]
+    notices = st["read_through_front_notices"] - before["read_through_front_notices"]
+    assert front >= 16 * (CHUNK // 4096) // 2  # most of them answered by the front thread
+    assert notices <= 3 * 16 < front
+    # every READ that returned bytes counted once (the last, at EOF, returns none)
+    asked = reads + 1
+    assert st["requests_from_nvme"] - before["requests_from_nvme"] in (reads, asked)
+    assert (sum(st["nvme_latency_us_log2_histogram"])
+            - sum(before["nvme_latency_us_log2_histogram"])) == (
+        st["requests_from_nvme"] - before["requests_from_nvme"])
+
+
 def test_big_files_are_read_through_with_read_ahead(mount_factory):
     """A file of at least read_through_min is read from NVMe through the daemon, chunks
     read ahead of a sequential reader into memory: right bytes, nothing staged or promoted,
