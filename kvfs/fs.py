@@ -219,7 +219,8 @@ class Operations(pyfuse3.Operations):
             self.ns.forget_inode(inode)
         elif inode.is_reg:
             self._data_freed.add(inode.ino)  # an OPEN already on its way finds it gone
-            self.faults.reached("freed")  # (lmdb keeps the inode, unnamed, until its FORGET)
+            # (lmdb keeps the inode, unnamed, until its FORGET; an unlink commits first)
+            self.store.meta.once_committed(lambda: self.faults.reached("freed"))
 
     async def _space_retry(self, op, need: int):
         """Run *op*; in cache mode, evict cold files and retry when the store is full."""

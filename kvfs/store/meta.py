@@ -246,6 +246,13 @@ class MetaStore:
         assert self._txn is not None, "after_commit outside a write transaction"
         self._after.append(fn)
 
+    def once_committed(self, fn) -> None:
+        """Run *fn* after the current write transaction commits, or now if there is none."""
+        if self._txn is None:
+            fn()
+        else:
+            self._after.append(fn)
+
     def counter(self, txn: lmdb.Transaction, name: bytes, default: int) -> int:
         raw = txn.get(name, db=self.db["counters"])
         if raw is None:
