@@ -85,6 +85,7 @@ class Cleaner:
         self.nvme = store.nvme
         self.table = table or StreamTable.make(2)
         self.nvme.gc_reserved = GC_RESERVED_SEGMENTS
+        self.nvme.open_streams = self.table.count
         self.nvme.on_new_segment = self._segment_opened
         self.rate = rate
         self.idle_rate = idle_rate
@@ -202,11 +203,14 @@ class Cleaner:
 
     async def make_room(self) -> bool:
         """Called when a user append found no free segment (only the cleaner's reserve is
-        left): clean until a user stream may open one again. False if cleaning cannot help."""
+        left): clean until a user stream may open one again. False if cleaning cannot help.
+        Each victim nets only its dead share, so with mostly-live victims freeing one
+        segment takes many passes: up to one per segment of the tier (a writer waits
+        rather than get ENOSPC below the capacity)."""
         def room() -> bool:
             return self.nvme.free_segments() > self.nvme.gc_reserved
 
-        for _ in range(8):
+        for _ in range(max(8, self.nvme.max_segments)):
             if room():
                 return True
             if not await self.clean_one("urgent"):

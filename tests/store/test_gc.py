@@ -21,9 +21,10 @@ from kvfs.store.chunkstore import ChunkStore
 from kvfs.store.codec import Codec, CodecPolicy
 from kvfs.store.events import StoreEvents
 from kvfs.store.gc import Cleaner
-from kvfs.store.location import LOC, Loc
+from kvfs.store.location import LOC, Loc, NoSpace
 from kvfs.store.meta import MetaStore, from_key2
 from kvfs.store.nvme import BLOCK
+from kvfs.store.room import Room
 from kvfs.store.streams import StreamTable
 from kvfs.tiering import DramPolicy
 
@@ -99,7 +100,7 @@ def _churn_until_crash(m, live: dict[str, bytes], uncertain: set[str], seed: int
             data = rng.randbytes(rng.choice([64 << 10, 128 << 10, 256 << 10]))
             (m.path / name).write_bytes(data)
             live[name] = data
-            if len(live) > 60:  # ~9 MiB live in a 13 MiB store: the cleaner has to work
+            if len(live) > 40:  # ~6 MiB live in a 9 MiB store: the cleaner has to work
                 op = rng.choice(sorted(live))
                 os.unlink(m.path / op)
                 del live[op]
@@ -168,7 +169,7 @@ class _Events(StoreEvents):
         self.rig = rig
 
     def stream_of(self, ino: int) -> int:
-        return self.rig.table.route["long" if ino % 3 == 0 else "short"]
+        return self.rig.table.route[self.rig.classes[ino % 3]]
 
     async def make_nvme_room(self) -> bool:
         return self.rig.cleaner is not None and await self.rig.cleaner.make_room()
@@ -183,6 +184,7 @@ class Harness:
         self.streams = streams
         self.nvme_size = nvme_size
         self.uuid = None
+        self.classes = ("long", "short", "short")  # by inode number modulo 3
         self.data: dict[tuple[int, int], bytes] = {}  # (ino, chunk) -> bytes it must hold
 
     def open(self) -> None:
@@ -412,6 +414,87 @@ def test_accounting_adds_up_in_process(harness):
                 await h.cleaner.clean_one("background")
         assert h.store.counters.gc_bytes_written > 0
         _check_accounting(h)
+        h.close()
+
+    trio.run(main)
+
+
+def test_tier_takes_what_its_capacity_promises(harness):
+    """Filled to the capacity statvfs reports, with deaths scattered everywhere and three
+    user streams each holding an open segment, the tier takes every write the capacity
+    check lets through: no ENOSPC below the capacity (the capacity counted the room that
+    each stream's open segment holds back, and a writer gave up on cleaning that was
+    making progress, only slowly: ENOSPC at ~88% of it)."""
+    h = harness
+    h.classes = ("long", "short", "medium")
+
+    async def main():
+        h.open()
+        rng = random.Random(5)
+        ino = 0
+        for _ in range(h.nvme_size // CS):
+            while h.store.used + CS > h.store.capacity:
+                h.delete(rng.choice(list(h.data))[0])
+            ino += 1
+            await h.put(ino, rng.randbytes(CS))
+        await h.verify()
+        h.close()
+
+    trio.run(main)
+
+
+def test_capacity_leaves_out_the_open_segments(harness):
+    """Streams whose open segments hold only dead records (their files died before the
+    segment filled): those segments come back only when their streams write again, or
+    once sealed as idle. Meanwhile the tier still takes everything statvfs reports."""
+    h = harness
+    h.classes = ("long", "short", "medium")
+
+    async def main():
+        h.open()
+        rng = random.Random(6)
+        per_segment = h.store.nvme.usable(CS) // (CS + BLOCK)
+        for ino in (*range(3, 3 * per_segment, 3), *range(2, 3 * per_segment - 1, 3)):
+            await h.put(ino, rng.randbytes(CS))  # long and medium: all but the last record
+            h.delete(ino)
+        ino = 1
+        while h.store.used + CS <= h.store.capacity:
+            await h.put(ino, rng.randbytes(CS))  # short
+            ino += 3
+        await h.verify()
+        h.close()
+
+    trio.run(main)
+
+
+def test_writer_waits_for_slow_cleaning_rather_than_enospc(harness, monkeypatch):
+    """A tier full of segments that each hold one dead record: every victim nets one
+    record's room, so a writer needs a dozen cleaning passes before a segment is free.
+    It gets them (it used to give up after 8 and get ENOSPC)."""
+    h = harness
+    h.classes = ("short", "short", "short")
+    monkeypatch.setattr(Room, "capacity", property(lambda self: 1 << 40))  # the tier decides
+
+    async def main():
+        h.open()
+        rng = random.Random(7)
+        ino = 1
+        while True:
+            try:
+                await h.put(ino, rng.randbytes(CS))
+            except NoSpace:
+                h.delete(ino)  # (its bytes never left DRAM)
+                break
+            ino += 1
+        nvme = h.store.nvme
+        open_ids = {s.seg_id for s in nvme.open_segment.values()}
+        one_per_segment = {loc.seg: k[0] for k in h.data
+                           if (loc := h.store.get(*k)).seg not in open_ids}
+        for dead in one_per_segment.values():
+            h.delete(dead)
+        await h.put(ino, rng.randbytes(CS))
+        assert h.cleaner.segments_cleaned > 8
+        await h.verify()
         h.close()
 
     trio.run(main)
