@@ -433,6 +433,9 @@ def sweep_report(rows: list[dict], a: argparse.Namespace) -> list[dict]:
             if not ok:
                 missed.append(name)
 
+        for k in cfgs:
+            if "error" in c.get(k, {}):
+                goal(f"{k} ENOSPC", False)  # below the capacity statvfs reported
         d, h, o = wa.get("default"), wa.get("hinted"), wa.get("one")
         if not c["rewritten"]:
             for k in ("default", "hinted"):
