@@ -130,9 +130,15 @@ class StreamTable:
     def separates_user_data(self) -> bool:
         return len({self.route[c] for c in USER_CLASSES}) > 1
 
-    def gc_destination(self, victim_stream: int) -> int:
-        """Where the cleaner copies a live record found in a segment of *victim_stream*:
-        relocated data is cold; data relocated twice is colder still (if there is a stream)."""
+    def gc_destination(self, victim_stream: int, cls: str | None = None) -> int:
+        """Where the cleaner copies a live record found in a segment of *victim_stream*,
+        of a file of class *cls* now (None: not known): relocated data is cold; data
+        relocated twice is colder still (if there is a stream). But a record of the `short`
+        class goes back to the short stream, where user data has its own: it dies soon,
+        in write order with the requests written now, and among the survivors it would
+        leave holes that the cleaner would copy around again."""
+        if cls == "short" and self.separates_user_data:
+            return self.route["short"]
         if victim_stream in (self.route["gc"], self.route["cold"]):
             return self.route["cold"]
         return self.route["gc"]
@@ -272,18 +278,30 @@ class LifetimeClassifier:
             self._watch[ino] = (self.clock(), chain)
         if not self.table.separates_user_data:
             return "medium"  # one user stream: nothing to decide
+        known = self._known_class(ino, chain)
+        if known is not None:
+            self.decisions[known[1]] += 1
+            return known[0]
+        self.decisions["default"] += 1
+        return self._unknown_class(chain[0] if chain else ino)
+
+    def known_class(self, ino: int) -> str | None:
+        """The class a hint or what was learned gives *ino* now (None: neither decides),
+        without watching it or counting a decision: for the cleaner's copies."""
+        known = self._known_class(ino, self._chain(ino))
+        return None if known is None else known[0]
+
+    def _known_class(self, ino: int, chain: tuple[int, ...]) -> tuple[str, str] | None:
+        """(class, "hint" or "learned"), or None if neither decides."""
         hinted = self._hint(ino, chain)
         if hinted is not None and hinted != "auto":
-            self.decisions["hint"] += 1
-            return hinted
+            return hinted, "hint"
         for d in chain:
             st = self._dirs.get(d)
             verdict = self._verdict(st) if st is not None else None
             if verdict is not None:
-                self.decisions["learned"] += 1
-                return verdict
-        self.decisions["default"] += 1
-        return self._unknown_class(chain[0] if chain else ino)
+                return verdict, "learned"
+        return None
 
     def _unknown_class(self, d: int) -> str:
         """Directories not decided yet take `medium` and `long` in turn, in the order their

@@ -278,7 +278,7 @@ def test_victim_freed_only_after_copies_committed_and_durable(harness, monkeypat
         monkeypatch.setattr(os, "unlink", unlink)
         monkeypatch.setattr(os, "fdatasync", fdatasync)
         cleaned = 0
-        while await h.cleaner.clean_one("background"):
+        while await h.cleaner.clean_one("urgent"):
             cleaned += 1
             if cleaned > 20:
                 break
@@ -411,7 +411,7 @@ def test_accounting_adds_up_in_process(harness):
                 victim = rng.choice([i for (i, _) in h.data if i != ino])
                 h.delete(victim)
             if ino % 10 == 0:
-                await h.cleaner.clean_one("background")
+                await h.cleaner.clean_one("urgent")
         assert h.store.counters.gc_bytes_written > 0
         _check_accounting(h)
         h.close()
@@ -500,6 +500,37 @@ def test_writer_waits_for_slow_cleaning_rather_than_enospc(harness, monkeypatch)
     trio.run(main)
 
 
+def test_copies_of_short_records_go_back_to_the_short_stream(harness):
+    """The cleaner copies a record of a file of the short class (by hint or as learned) to
+    the short stream, not among the survivors in `gc` (it dies soon: there it would leave
+    holes to clean around again); records of other classes go to `gc`."""
+    h = harness
+    h.classes = ("long", "short", "short")
+
+    async def main():
+        h.open()
+        h.cleaner.class_of = lambda ino: h.classes[ino % 3]
+        rng = random.Random(8)
+        for ino in range(1, 61):
+            await h.put(ino, rng.randbytes(CS))
+        for ino in range(1, 61, 2):
+            h.delete(ino)
+        nvme, route = h.store.nvme, h.table.route
+        while await h.cleaner.clean_one("urgent"):
+            pass  # (ends: full segments are no victims, though their ends are unused)
+        assert h.cleaner.records_moved > 0
+        for (ino, c) in h.data:
+            stream = nvme.segments[h.store.get(ino, c).seg].stream
+            assert stream == (route["short"] if h.classes[ino % 3] == "short" else route["gc"]) \
+                or stream == route[h.classes[ino % 3]]  # not moved
+        moved_short = nvme.counters(route["short"]).gc_bytes_in
+        assert moved_short > 0 and nvme.counters(route["gc"]).gc_bytes_in > 0
+        await h.verify()
+        h.close()
+
+    trio.run(main)
+
+
 def test_cost_benefit_prefers_empty_and_old(harness):
     h = harness
 
@@ -527,26 +558,31 @@ def test_cost_benefit_prefers_empty_and_old(harness):
         for s in segs:
             s.live_bytes = SEG
         assert h.cleaner.pick_victim() is None  # nothing to gain anywhere
+        for s in segs:  # full: the unused end of each holds no record of a whole chunk
+            s.live_bytes = nvme.usable(CS)
+        assert nvme.usable(CS) < 0.95 * SEG and h.cleaner.pick_victim() is None
         assert all(h.cleaner.pick_victim() is not s for s in nvme.open_segment.values())
 
     trio.run(main)
 
 
-def test_watermarks_and_pacing(harness, monkeypatch):
+def test_cleaning_on_demand_and_pacing(harness, monkeypatch):
+    """The cleaner waits until a user stream would find no segment beyond the reserve (by
+    then more of every victim has died); no cleaning ahead of need on watermarks (it used to
+    keep 5-6 of 32 segments free), except cheap victims in idle time."""
     h = harness
 
     async def main():
         h.open()
         c = h.cleaner
         nvme = h.store.nvme
-        assert c.urgent_mark < c.low_mark < c.high_mark
+        c.idle_after = 1000
+        assert c.urgent_mark == nvme.gc_reserved
         monkeypatch.setattr(nvme, "free_segments", lambda: c.urgent_mark)
         assert c.mode() == "urgent"
-        monkeypatch.setattr(nvme, "free_segments", lambda: c.low_mark - 1)
-        assert c.mode() == "background"
-        monkeypatch.setattr(nvme, "free_segments", lambda: c.high_mark + 1)
-        c.idle_after = 1000
-        assert c.mode() is None
+        for free in (c.urgent_mark + 1, c.urgent_mark + 3, nvme.max_segments // 8):
+            monkeypatch.setattr(nvme, "free_segments", lambda free=free: free)
+            assert c.mode() is None
         c.idle_after = 0
         c._idle()
         monkeypatch.setattr(nvme, "free_segments", lambda: 0.2 * nvme.max_segments)
@@ -559,7 +595,7 @@ def test_watermarks_and_pacing(harness, monkeypatch):
         # foreground first: a demand read in flight holds the cleaner back (bounded)
         h.store.fetches._fetching[(999, 0)] = trio.Event()
         t0 = trio.current_time()
-        await c._foreground_first("background")
+        await c._foreground_first("idle")
         waited = trio.current_time() - t0
         assert gcmod.FOREGROUND_WAIT * 0.9 <= waited < 1.0
         del h.store.fetches._fetching[(999, 0)]

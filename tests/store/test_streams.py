@@ -43,6 +43,12 @@ def test_stream_tables():
     assert four.gc_destination(0) == four.gc_destination(2) == four.gc_destination(1) == 1
     five = StreamTable.make(5)
     assert five.gc_destination(0) == 1 and five.gc_destination(1) == 4  # relocated twice: cold
+    # a record of the short class goes back where short user data goes, with 3+ streams
+    for table in (three, four, five):
+        for victim in range(table.count):
+            assert table.gc_destination(victim, "short") == table.route["short"]
+        assert table.gc_destination(0, "long") == table.gc_destination(0)
+    assert one.gc_destination(0, "short") == 0 and two.gc_destination(0, "short") == 1
     assert five.name(7) == "stream7"
     for bad in (0, 6):
         with pytest.raises(ValueError):
@@ -202,6 +208,20 @@ def test_hints_win_over_what_was_learned():
     ns.xattrs[(3, LIFETIME_XATTR)] = b"short"
     assert c.classify(ns.add(ino + 2, 2)) == "long"
     assert c.classify(ns.add(ino + 3, 3)) == "short"
+
+
+def test_known_class_for_the_cleaners_copies_decides_nothing():
+    """What the cleaner asks about a file it copies: a hint or a verdict, else None (not
+    the turn-taking default); the file is not watched again (its lifetime would be
+    measured from the copy) and no decision is counted."""
+    ns, clock, c = _classifier()
+    assert c.known_class(ns.add(10, 4)) is None  # nothing known yet
+    ino = _fifo(ns, clock, c, 1000, window=5, steps=20 * MIN_SAMPLES, prefixes=2 * MIN_SAMPLES)
+    watched, decisions = len(c._watch), dict(c.decisions)
+    assert c.known_class(ns.add(ino + 1, 2)) == "short"
+    ns.xattrs[(4, LIFETIME_XATTR)] = b"long"
+    assert c.known_class(10) == "long"
+    assert len(c._watch) == watched and c.decisions == decisions
 
 
 def test_one_user_stream_does_not_classify():
