@@ -33,7 +33,10 @@ Which class a file's records get, first match wins:
    longer or more, `long`; between, `medium`; one of mixed lifetimes is `medium`. So a
    request window of 5% or of 70% of the tier is `short` beside prefixes that live for
    tiers, and the prefixes are `long` as soon as they have outlived a few windows. The
-   nearest ancestor directory (parent first, root last) with MIN_SAMPLES observations decides.
+   nearest ancestor directory (parent first, root last) with MIN_SAMPLES observations
+   decides, unless the file's own directory has MIN_SAMPLES files being watched: that one is
+   learned on its own (the root, which learned from the requests first, would otherwise
+   put the prefixes written meanwhile in `short` with them).
 3. Otherwise (no directory of the chain decided yet) `medium` or `long`: undecided
    directories take them in turn, in the order they first write to NVMe, so that two
    directories are not mixed while their lifetimes are being learned.
@@ -245,6 +248,7 @@ class LifetimeClassifier:
         self.clock = clock
         self.long_horizon = max(1, int(LONG_HORIZON * tier_bytes))
         self._watch: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()
+        self._pending: dict[int, int] = {}  # directory -> its files being watched
         self._dirs: OrderedDict[int, _DirStats] = OrderedDict()
         self._bad_values: set[bytes] = set()
         self._unknown: OrderedDict[int, int] = OrderedDict()  # directory -> _unknown_class slot
@@ -266,6 +270,7 @@ class LifetimeClassifier:
         self._expire()
         entry = self._watch.pop(ino, None)
         if entry is not None:
+            self._unwatched(entry[1])
             self._outcome(entry[1], self.clock() - entry[0])
 
     # -- classification ------------------------------------------------------------------
@@ -274,8 +279,11 @@ class LifetimeClassifier:
         chain = self._chain(ino)
         if ino not in self._watch:
             if len(self._watch) >= MAX_TRACKED:
-                self._watch.popitem(last=False)  # forget the oldest without an outcome
+                # forget the oldest without an outcome
+                self._unwatched(self._watch.popitem(last=False)[1][1])
             self._watch[ino] = (self.clock(), chain)
+            if chain:
+                self._pending[chain[0]] = self._pending.get(chain[0], 0) + 1
         if not self.table.separates_user_data:
             return "medium"  # one user stream: nothing to decide
         known = self._known_class(ino, chain)
@@ -301,6 +309,11 @@ class LifetimeClassifier:
             verdict = self._verdict(st) if st is not None else None
             if verdict is not None:
                 return verdict, "learned"
+            if d == chain[0] and self._pending.get(d, 0) >= MIN_SAMPLES:
+                # Its own files are being learned: an ancestor's verdict speaks for a new
+                # directory of a few files (a request's), not for one of its own kind
+                # (the root learned from the requests would put the prefixes with them).
+                return None
         return None
 
     def _unknown_class(self, d: int) -> str:
@@ -365,8 +378,15 @@ class LifetimeClassifier:
             if t > cutoff:
                 break
             del watch[ino]
+            self._unwatched(chain)
             # it lived at least the horizon: how much longer is not known (nor waited for)
             self._outcome(chain, None)
+
+    def _unwatched(self, chain: tuple[int, ...]) -> None:
+        if chain:
+            n = self._pending.pop(chain[0]) - 1
+            if n:
+                self._pending[chain[0]] = n
 
     def _outcome(self, chain: tuple[int, ...], lifetime: int | None) -> None:
         """A watched file died after *lifetime* bytes, or (None) outlived the horizon."""

@@ -188,6 +188,22 @@ def test_request_window_is_short_beside_prefixes_whatever_its_size(window_share)
     assert c.stream_of(ns.add(ino + 3, 2)) != c.stream_of(ns.add(ino + 4, 3))
 
 
+def test_a_directory_being_learned_is_not_decided_by_its_ancestors():
+    """Requests in /req learned `short` (and the root with them); then prefixes in /prefix
+    that have not outlived anything yet: they are not `short` by the root's verdict (they
+    were, until they outlived the horizon: FIFO segments that never emptied). A new
+    directory of a few files under /req still takes /req's verdict."""
+    ns, clock, c = _classifier()
+    ino = _fifo(ns, clock, c, 1000, window=25, steps=25 + 4 * MIN_SAMPLES, prefixes=0)
+    assert c.classify(ns.add(ino := ino + 1, 2)) == "short"
+    got = [c.classify(ns.add(ino := ino + 1, 3)) for _ in range(2 * MIN_SAMPLES)]
+    assert got[:MIN_SAMPLES - 1] == ["short"] * (MIN_SAMPLES - 1)  # few: the root's
+    assert "short" not in got[MIN_SAMPLES:]
+    assert c.known_class(ino) is None
+    ns.parent[6] = 2
+    assert c.classify(ns.add(ino + 1, 6)) == "short"
+
+
 def test_undecided_directories_are_kept_apart():
     """Issue 37: before anything is known, the records of two directories go to different
     streams (they were all `medium`, so requests and prefixes shared segments until the
