@@ -48,11 +48,11 @@ class Room:
         somewhere to copy to (its reserved segments and 5%), and less one segment per
         stream: each stream holds an open segment that its records alone fill, however
         little of it they use, and whose dead records wait for it to fill up before they
-        can be reclaimed."""
+        can be reclaimed. None at all on a tier of too few segments for that."""
         nvme = self.nvme
         per_segment = nvme.usable(self.cs)
         tier = nvme.max_segments * per_segment
-        return tier - (nvme.gc_reserved + nvme.open_streams) * per_segment - tier // 20
+        return max(0, tier - (nvme.gc_reserved + nvme.open_streams) * per_segment - tier // 20)
 
     @property
     def used(self) -> int:

@@ -5,6 +5,7 @@ ChunkStore + Cleaner without FUSE) where the order of events has to be checked e
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -58,6 +59,17 @@ def _churn(m, rounds: int, seed: int, live: dict[str, bytes]) -> None:
 def _verify(m, live: dict[str, bytes]) -> None:
     for name, data in live.items():
         assert (m.path / name).read_bytes() == data, name
+
+
+def test_a_tier_too_small_for_its_streams_has_no_capacity(mount_factory):
+    """4 segments: the cleaner's reserve and the streams' open segments take them all.
+    statvfs says 0 (it failed with EIO: a negative capacity), and writes get ENOSPC."""
+    m = mount_factory(nvme_size="4M", segment_size="1M", dram_size="1M")
+    sv = os.statvfs(m.path)
+    assert sv.f_blocks == sv.f_bavail == 0
+    with pytest.raises(OSError) as ei:
+        (m.path / "f").write_bytes(bytes(100_000))
+    assert ei.value.errno == errno.ENOSPC
 
 
 def test_churn_reclaims_space_and_keeps_data(mount_factory):
