@@ -174,7 +174,8 @@ class Assembly:
             self.ns, self.streams, lambda: self.store.counters.user_bytes_written,
             self.store.nvme.capacity)
         self.store.nvme.stream_hints = dict(enumerate(self.streams.hints))
-        self.cleaner = Cleaner(self.store, self.streams, faults=self.faults)
+        self.cleaner = Cleaner(self.store, self.streams, faults=self.faults,
+                               class_of=self.classifier.known_class)
         extra += [self.cleaner.stats, self.classifier.stats]
         self.store.high_water = int(s.dram_high_watermark * s.dram_size)
         # Files unlinked while open when the daemon last stopped: nobody can reach them now.

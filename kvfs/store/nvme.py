@@ -188,6 +188,7 @@ class NvmeLog:
         self.streams: dict[int, StreamCounters] = {}
         self.on_new_segment = lambda: None  # the cleaner's kick: free space just shrank
         self.gc_reserved = 2  # segments only the cleaner may open
+        self.open_streams = 1  # streams, each holding an open segment (set by the cleaner)
         self._discover(read_only)
 
     # -- segments --------------------------------------------------------------------------
