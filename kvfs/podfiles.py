@@ -22,6 +22,7 @@ room never calls back.
 from __future__ import annotations
 
 import logging
+import os
 import stat
 import time
 from collections.abc import Awaitable, Callable
@@ -32,7 +33,7 @@ from kvfs.namespace import REMOTE, ROOT_INODE, Inode, Namespace
 from kvfs.store.chunkstore import ChunkStore
 from kvfs.store.location import LOST, TAIL_LOST
 from kvfs.store.nvme import HEADER_SIZE
-from kvfs.store.pod import Pod, PodHead, record_of
+from kvfs.store.pod import Pod, PodFile, PodHead, record_of
 
 log = logging.getLogger(__name__)
 
@@ -209,30 +210,53 @@ class PodFiles:
         done = self._fetching[ino] = trio.Event()
         try:
             damaged = self.pod.counters.damaged
-            got = await self.pod.fetch(head)
-            if got is None:
-                self.remote.pop(ino, None)
-                ttl = DAMAGED_TTL_S if self.pod.counters.damaged > damaged else self.pod.miss_ttl
-                self._failed.pop(head.path, None)
-                self._failed[head.path] = (head.version, time.monotonic() + ttl)
-                while len(self._failed) > FAILED_MAX:
-                    del self._failed[next(iter(self._failed))]
-                return False
-            cs = head.chunk_size
-            for c, raw in sorted(got.chunks.items()):
-                pos = 0
-                while pos < len(raw):  # (a short write: what failed is raised by the next)
-                    pos += await self.store.write(ino, c * cs + pos, memoryview(raw)[pos:])
+            async with self.pod.fetched(head) as got:
+                if got is None:
+                    self.remote.pop(ino, None)
+                    ttl = (DAMAGED_TTL_S if self.pod.counters.damaged > damaged
+                           else self.pod.miss_ttl)
+                    self._failed.pop(head.path, None)
+                    self._failed[head.path] = (head.version, time.monotonic() + ttl)
+                    while len(self._failed) > FAILED_MAX:
+                        del self._failed[next(iter(self._failed))]
+                    return False
+                if not self._land(ino, got):
+                    cs = head.chunk_size
+                    for c, raw in sorted(got.chunks.items()):
+                        pos = 0
+                        while pos < len(raw):  # (a short write: what failed is raised next)
+                            pos += await self.store.write(ino, c * cs + pos, raw[pos:])
+                chunks = len(got.chunks)
             await self.store.seal(ino, head.size)
             node.flags &= ~REMOTE
             self.ns.save(node)
             self.remote.pop(ino, None)
             self.imported[ino] = (head.version, node.mtime_ns)
-            self.chunks_from_pod += len(got.chunks)
+            self.chunks_from_pod += chunks
             return True
         finally:
             del self._fetching[ino]
             done.set()
+
+    def _land(self, ino: int, got: PodFile) -> bool:
+        """A fetched file without holes into its DRAM file at once: one copy, one commit
+        (the store's direct-write path); False if the store wants the ordinary path."""
+        whole = got.whole
+        if whole is None:
+            return False
+        plan = self.store.plan_write(ino, 0, len(whole))
+        if plan is None:
+            return False
+        fd = self.store.write_fd(plan)
+        pos = 0
+        try:
+            while pos < len(whole):
+                pos += os.pwrite(fd, whole[pos:], pos)
+        except BaseException:
+            self.store.abort_write(plan)
+            raise
+        self.store.finish_write(plan, None)
+        return True
 
     def _failed_before(self, head: PodHead) -> bool:
         failed = self._failed.get(head.path)

@@ -24,6 +24,8 @@ what does not fit is dropped and counted. docs/DESIGN.md, Pod tier.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -33,7 +35,7 @@ import struct
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -59,7 +61,7 @@ HEAD_MAX = 64 << 10
 # Lookups answered by one Mooncake call at most.
 BATCH_MAX = 32
 # A fetch may take its size at this rate on top of the timeout before it is a miss.
-FETCH_FLOOR_BPS = 256 << 20
+FETCH_FLOOR_BPS = 64 << 20
 # Mooncake's return codes (mooncake-store/include/types.h): the ones that mean "not there".
 OBJECT_NOT_FOUND = -704
 # Negative and positive lookup answers kept at most (the oldest go first).
@@ -97,13 +99,29 @@ class PodHead:
 
 @dataclass
 class PodFile:
-    """A fetched file: its head and each present chunk's raw bytes, checked."""
+    """A fetched file: its head and each present chunk's raw bytes, checked (views of
+    one buffer that holds each chunk at its offset in the file)."""
 
     head: PodHead
-    chunks: dict[int, bytes]
+    chunks: dict[int, memoryview]
+    buf: memoryview  # the file's bytes at their offsets (where chunks are)
+
+    @property
+    def whole(self) -> memoryview | None:
+        """The file's bytes in one view, if its chunks are all there and all full but the
+        last (no hole: the buffer is not zeroed between fetches)."""
+        if not self.chunks:
+            return None
+        c = max(self.chunks)
+        view = self.chunks[c]
+        if (len(self.chunks) != c + 1
+                or c * self.head.chunk_size + len(view) != self.head.size
+                or any(len(v) != self.head.chunk_size for k, v in self.chunks.items() if k < c)):
+            return None
+        return self.buf[:self.head.size]
 
     def data(self) -> bytes:
-        """The whole file (holes as zeros)."""
+        """The whole file (holes as zeros), a copy."""
         out = bytearray(self.head.size)
         cs = self.head.chunk_size
         for c, raw in self.chunks.items():
@@ -149,32 +167,57 @@ def decode_head(buf: bytes | memoryview, path: str) -> PodHead:
     return PodHead(path, member, file_version, mode, size, mtime_ns, chunk_size, entries)
 
 
-def decode_data(head: PodHead, data: bytes | memoryview, codec: Codec) -> PodFile:
+def decode_data(head: PodHead, data: bytes | memoryview, codec: Codec,
+                out: memoryview | None = None,
+                pool: concurrent.futures.Executor | None = None) -> PodFile:
     """Check and decode a data object against its head: every record's header check, its
     chunk number and lengths, its payload decoded and hashed against the record's checksum.
-    PodObjectError on the first thing that does not match (never partly wrong bytes)."""
+    PodObjectError on the first thing that does not match (never partly wrong bytes).
+    Chunks are decoded into *out* (at least head.size bytes; a new buffer if None), at
+    their offsets in the file; with *pool*, half of them in its thread meanwhile (decode
+    and hash run without the GIL)."""
     mv = memoryview(data)
     if len(mv) != head.data_len:
         raise PodObjectError(f"pod data of {head.path!r}: {len(mv)} bytes, head says "
                              f"{head.data_len}")
-    chunks: dict[int, bytes] = {}
-    for c, off, length in head.entries:
+    if out is None:
+        out = memoryview(bytearray(head.size))
+    if len(out) < head.size:
+        raise ValueError(f"a buffer of {len(out)} bytes for a file of {head.size}")
+    entries = head.entries
+    if pool is None or len(entries) < 2:
+        return PodFile(head, _decode_records(head, mv, entries, codec, out), out)
+    half = len(entries) // 2
+    other = pool.submit(_decode_records, head, mv, entries[half:], codec, out)
+    try:
+        chunks = _decode_records(head, mv, entries[:half], codec, out)
+    finally:
+        rest = other.result()  # (waited for even on an error: it writes into out)
+    return PodFile(head, chunks | rest, out)
+
+
+def _decode_records(head: PodHead, mv: memoryview, entries: Sequence[tuple[int, int, int]],
+                    codec: Codec, out: memoryview) -> dict[int, memoryview]:
+    chunks: dict[int, memoryview] = {}
+    cs = head.chunk_size
+    for c, off, length in entries:
         rec = mv[off:off + length]
         try:
             h = unpack_header(rec)
         except RecordError as e:
             raise PodObjectError(f"pod data of {head.path!r}, chunk {c}: {e}") from None
-        if (h.chunk != c or HEADER_SIZE + h.stored_len != length or h.raw_len > head.chunk_size
-                or c * head.chunk_size + h.raw_len > head.size):
+        if (h.chunk != c or HEADER_SIZE + h.stored_len != length or h.raw_len > cs
+                or c * cs + h.raw_len > head.size):
             raise PodObjectError(f"pod data of {head.path!r}, chunk {c}: record does not fit")
+        raw = out[c * cs:c * cs + h.raw_len]
         try:
-            raw = bytes(codec.decode(h.codec, rec[HEADER_SIZE:], h.raw_len))
+            codec.decode_into(h.codec, rec[HEADER_SIZE:], h.raw_len, raw)
         except CodecError as e:
             raise PodObjectError(f"pod data of {head.path!r}, chunk {c}: {e}") from None
         if hash_bytes(raw) != h.checksum:
             raise PodObjectError(f"pod data of {head.path!r}, chunk {c}: checksum mismatch")
         chunks[c] = raw
-    return PodFile(head, chunks)
+    return chunks
 
 
 def records_of(data: bytes, chunk_size: int, codec: Codec,
@@ -305,6 +348,11 @@ class Pod:
         self._send, self._recv = trio.open_memory_channel[_Job](float("inf"))
         self._head_buf = _Buffer(BATCH_MAX * HEAD_MAX)
         self._fetch_buf = _Buffer(max_object)
+        # Fetched files are decoded into this, the second half of their chunks in
+        # _decoder's thread.
+        self._land_buf = _Buffer(max_object)
+        self._landing = trio.Lock()
+        self._decoder = concurrent.futures.ThreadPoolExecutor(1, "pod-decode")
         self._publish_buf = _Buffer(max_object)
 
     # -- keys ---------------------------------------------------------------------------
@@ -361,6 +409,7 @@ class Pod:
 
     async def close(self) -> None:
         """Leave the pod (after run() was cancelled): the client unmounts its segment."""
+        self._decoder.shutdown(wait=False)
         client, self._client = self._client, None
         if client is None:
             return
@@ -550,13 +599,19 @@ class Pod:
 
     # -- fetches ------------------------------------------------------------------------
 
-    async def fetch(self, head: PodHead) -> PodFile | None:
+    @contextlib.asynccontextmanager
+    async def fetched(self, head: PodHead) -> AsyncIterator[PodFile | None]:
         """The file *head* names, every record checked, or None (a miss: gone, damaged,
-        too slow, no pod)."""
+        too slow, no pod). Its chunks are views of a buffer the next fetch reuses: valid
+        inside the `async with` only (fetches take turns)."""
+        async with self._landing:
+            yield await self._fetch(head)
+
+    async def _fetch(self, head: PodHead) -> PodFile | None:
         if self._client is None or head.data_len > self.max_object:
             return None
         if not head.entries:
-            return PodFile(head, {})
+            return PodFile(head, {}, memoryview(b""))
         timeout = self.timeout + head.data_len / FETCH_FLOOR_BPS
         got = await self._call(self._fetch_lane, timeout, self._get_data, head)
         if got is None:
@@ -564,16 +619,19 @@ class Pod:
         return got
 
     def _get_data(self, head: PodHead) -> PodFile | None:
-        """Worker thread: get_into our buffer, copy out, check and decode."""
+        """Worker thread: get_into our buffer, then check and decode from there into the
+        landing buffer, in two threads."""
         n = head.data_len
         rc = self._client.get_into(self.data_key(head), self._fetch_buf.addr, n)
         if rc != n:
             if rc != OBJECT_NOT_FOUND:
                 self._count("errors")
             return None
-        data = self._fetch_buf.mem[:n]
+        if head.size > self._land_buf.size:  # (another member's file, over our max_object)
+            self._land_buf = _Buffer(head.size)
         try:
-            got = decode_data(head, data, self.codec)
+            got = decode_data(head, memoryview(self._fetch_buf.mem)[:n], self.codec,
+                              memoryview(self._land_buf.mem), self._decoder)
         except PodObjectError as e:
             self._count("damaged")
             log.warning("pod: %s", e)
