@@ -8,10 +8,12 @@ room never calls back.
   (`run`), once no writer has the file open and what the kernel wrote into its DRAM file is
   taken, its chunks are read through the store, encoded as records in a worker thread and
   queued with `Pod.publish` under the name the file has *then*: a temp name renamed within
-  SETTLE_S of its close is never published.
+  SETTLE_S of its close is never published. Files the pod did not take because it was away
+  are due again when it is back (`_republish`).
 - Lookups of names not in a directory (`lookup`): on a pod hit the file appears, its inode
   flagged REMOTE (its size, mode and mtime from the head, no chunks). Its first open fetches
-  it whole (`fetch`), every record checked, and writes it into the store as if written here;
+  it whole (`fetch`), every record checked, and writes it into the store as if written here
+  (without holes: in one copy and one commit, `_land`);
   a failed fetch (gone, damaged, too slow) is a miss: the name goes and the open answers
   ENOENT. Per file, not per chunk.
 - A file fetched from the pod (`imported`, in memory) follows later versions while nobody
@@ -112,6 +114,19 @@ class PodFiles:
         """Publish the files due, each once its time came. *settled(ino)*: the inode once
         what the kernel wrote is taken, None if it is gone or a writer has it open (its
         close makes it due again)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._republish)
+            await self._publish_due(settled)
+
+    async def _republish(self) -> None:
+        """Each time the pod is back (or first up), the files it missed are due again."""
+        while True:
+            await self.pod.wait_up()
+            for ino in list(self.pod.unpublished):
+                self.due(ino)
+            await self.pod.wait_down()
+
+    async def _publish_due(self, settled: Callable[[int], Awaitable[Inode | None]]) -> None:
         while True:
             if not self._due:
                 await self._wakeup.wait()
@@ -138,6 +153,9 @@ class PodFiles:
         ino, size, version = node.ino, node.size, node.mtime_ns
         path = self.path_of(ino)
         if path is None:
+            return
+        if not self.pod.up:
+            self.pod.defer(ino)  # published when the pod is back
             return
         if not self.pod.can_take(size):
             return
@@ -171,7 +189,7 @@ class PodFiles:
             if changed():
                 return
         self.pod.publish(path, sorted(records.items()), version=version, mode=node.mode,
-                         size=size, mtime_ns=version, chunk_size=cs)
+                         size=size, mtime_ns=version, chunk_size=cs, tag=ino)
 
     # -- lookups --------------------------------------------------------------------------
 
@@ -320,6 +338,7 @@ class PodFiles:
         self.remote.pop(ino, None)
         self.imported.pop(ino, None)
         self._due.pop(ino, None)
+        self.pod.unpublished.pop(ino, None)
 
     def short_lived(self, ino: int) -> bool:
         """Should the kernel ask again soon about *ino* (it follows the pod)?"""

@@ -18,7 +18,9 @@ lanes of one thread each: lookups, fetches, publishing. A lookup or fetch waits 
 is abandoned and finishes on its own. While a lane's call has run past the timeout (a dead
 master holds a call ~4 s in Mooncake 0.3.13.post1), calls on that lane miss at once instead
 of queueing. Publishing goes through a queue with a byte cap, never waits for the pod:
-what does not fit is dropped and counted. docs/DESIGN.md, Pod tier.
+what does not fit is dropped and counted; a file whose put failed (the pod is away) is
+kept by its caller's tag (`unpublished`) for when a probe put works again. Fetched files
+are decoded into one landing buffer, in two threads. docs/DESIGN.md, Pod tier.
 """
 
 from __future__ import annotations
@@ -68,6 +70,15 @@ OBJECT_NOT_FOUND = -704
 CACHE_MAX = 1 << 16
 MEMBERS_EVERY_S = 5.0
 CONNECT_RETRY_S = 1.0
+# While the pod is away (a publish failed), whether it is back is asked this often.
+PROBE_EVERY_S = 0.5
+# Files not published because the pod was away, kept to be published when it is back: at
+# most this many (the oldest go first, counted as dropped), each put at most PUT_ATTEMPTS
+# times.
+UNPUBLISHED_MAX = 4096
+PUT_ATTEMPTS = 3
+# Most an unmount waits for the client to leave the pod.
+CLOSE_S = 1.0
 
 
 class PodObjectError(Exception):
@@ -301,6 +312,7 @@ class _Job:
     head: PodHead
     head_bytes: bytes
     records: list[bytes]
+    tag: int | None  # the caller's name for the file (`unpublished`)
 
 
 class Pod:
@@ -337,6 +349,11 @@ class Pod:
         self.counters = PodCounters()
         self.members: int | None = None
         self.queued_bytes = 0
+        # The last put (or, while away, a probe) reached the pod.
+        self.up = False
+        self._up, self._down = trio.Event(), trio.Event()
+        # Tags of files to publish when the pod is back (-> puts failed), oldest first.
+        self.unpublished: dict[int, int] = {}
         self._client: Any = None
         self._count_lock = threading.Lock()
         self._lookup_lane, self._fetch_lane, self._publish_lane = _Lane(), _Lane(), _Lane()
@@ -381,13 +398,76 @@ class Pod:
             if client is None:
                 await trio.sleep(CONNECT_RETRY_S)
             self._client = client
+        self._set_up(True)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._count_members)
+            nursery.start_soon(self._probe)
             async for job in self._recv:
-                await trio.to_thread.run_sync(self._publish_lane.run, self._put, job,
-                                              limiter=self._publish_lane.limiter,
-                                              abandon_on_cancel=True)
+                ok = self.up and await trio.to_thread.run_sync(
+                    self._publish_lane.run, self._put, job, limiter=self._publish_lane.limiter,
+                    abandon_on_cancel=True)
                 self.queued_bytes -= sum(map(len, job.records))
+                if ok:
+                    self.unpublished.pop(job.tag, None)  # type: ignore[arg-type]
+                else:
+                    self._set_up(False)
+                    self.defer(job.tag, tried=True)
+
+    def _set_up(self, up: bool) -> None:
+        if up and not self.up:
+            self._up.set()
+            self._down = trio.Event()
+        elif not up and self.up:
+            self._down.set()
+            self._up = trio.Event()
+            log.warning("pod: publishing to %s failed; files closed meanwhile are published "
+                        "when it answers again", self.master)
+        self.up = up
+
+    async def wait_up(self) -> None:
+        """Return once the pod is up (at once if it is)."""
+        await self._up.wait()
+
+    async def wait_down(self) -> None:
+        """Return once the pod is away (at once if it is, after it was up)."""
+        await self._down.wait()
+
+    async def _probe(self) -> None:
+        """While the pod is away, ask it every PROBE_EVERY_S whether it is back."""
+        while True:
+            await self._down.wait()
+            await trio.sleep(PROBE_EVERY_S)
+            if await trio.to_thread.run_sync(
+                    self._publish_lane.run, self._takes_puts, limiter=self._publish_lane.limiter,
+                    abandon_on_cancel=True):
+                log.info("pod: %s takes puts again", self.master)
+                self._set_up(True)
+
+    def _takes_puts(self) -> bool:
+        """Worker thread: does the pod take a put (a master that answers, and memory in
+        it: a restarted master has none until the members' segments are mounted again)?"""
+        key = f"kvfs/{self.name}/probe/{self.member}"
+        self._client.remove(key, True)
+        if self._client.put_from(key, self._publish_buf.addr, 1, self.replicate) != 0:
+            return False
+        self._client.remove(key, True)
+        return True
+
+    def defer(self, tag: int | None, *, tried: bool = False) -> None:
+        """The file *tag* was not published (the pod is away): keep it for when it is
+        back (`unpublished`: the caller publishes them again after `wait_up`), unless it
+        was put (*tried*) PUT_ATTEMPTS times already."""
+        if tag is None:
+            self.counters.dropped += 1
+            return
+        attempts = self.unpublished.pop(tag, 0) + tried
+        if attempts >= PUT_ATTEMPTS:
+            self.counters.dropped += 1
+            return
+        self.unpublished[tag] = attempts
+        while len(self.unpublished) > UNPUBLISHED_MAX:
+            del self.unpublished[next(iter(self.unpublished))]
+            self.counters.dropped += 1
 
     def _connect(self) -> Any:
         """Worker thread: a Mooncake client set up and our buffers registered, or None."""
@@ -413,9 +493,32 @@ class Pod:
         client, self._client = self._client, None
         if client is None:
             return
-        # Calls abandoned by their callers may still be running on the lanes: wait for them.
-        async with self._lookup_lane.limiter, self._fetch_lane.limiter:
-            await trio.to_thread.run_sync(client.close, limiter=self._publish_lane.limiter)
+        # Kept: Mooncake's destructor unmounts the segment again, holding the GIL for ~11 s
+        # when the master is away (the daemon ends with os._exit, which runs no destructor).
+        self._left_client = client
+        # Mooncake's close with a dead master retries its segment's unmount for ~11 s, and
+        # at times holds the GIL meanwhile: not tried then (the master lets go of this
+        # member after its client_ttl, as after a crash).
+        if not await trio.to_thread.run_sync(self._master_listens):
+            log.warning("pod: the master %s does not answer; leaving without telling it",
+                        self.master)
+            return
+        # Calls abandoned by their callers may still be running on the lanes: wait for them,
+        # and for the close, at most CLOSE_S.
+        with trio.move_on_after(CLOSE_S):
+            async with self._lookup_lane.limiter, self._fetch_lane.limiter:
+                await trio.to_thread.run_sync(client.close, limiter=self._publish_lane.limiter,
+                                              abandon_on_cancel=True)
+            return
+        log.warning("pod: leaving the pod at %s did not finish within %.1f s", self.master,
+                    CLOSE_S)
+
+    def _master_listens(self) -> bool:
+        try:
+            socket.create_connection((self.host, self.port), timeout=CLOSE_S / 4).close()
+        except OSError:
+            return False
+        return True
 
     async def _count_members(self) -> None:
         while True:
@@ -462,9 +565,11 @@ class Pod:
         return True
 
     def publish(self, path: str, records: Sequence[tuple[int, bytes]], *, version: int,
-                mode: int, size: int, mtime_ns: int, chunk_size: int) -> bool:
+                mode: int, size: int, mtime_ns: int, chunk_size: int,
+                tag: int | None = None) -> bool:
         """Queue a complete file for the pod: its records (chunk number, header + payload)
-        in chunk order. Never waits: False (and counted) if it was dropped instead."""
+        in chunk order. Never waits: False (and counted) if it was dropped instead. A file
+        whose put fails is kept (`defer`) under *tag*, if given."""
         entries, off = [], 0
         for c, rec in records:
             entries.append((c, off, len(rec)))
@@ -477,10 +582,10 @@ class Pod:
             self.counters.dropped += 1
             return False
         self.queued_bytes += off
-        self._send.send_nowait(_Job(head, head_bytes, [rec for _, rec in records]))
+        self._send.send_nowait(_Job(head, head_bytes, [rec for _, rec in records], tag))
         return True
 
-    def _put(self, job: _Job) -> None:
+    def _put(self, job: _Job) -> bool:
         """Worker thread: the data object, then the head that names it (replacing the
         previous version's: Mooncake keeps a key's first value, so it is removed first)."""
         mem, off = self._publish_buf.mem, 0
@@ -499,9 +604,10 @@ class Pod:
         if rc != 0:
             self._count("errors")
             log.debug("pod: publishing %r failed (Mooncake returned %d)", job.head.path, rc)
-            return
+            return False
         self._count("published_files")
         self._count("published_bytes", off)
+        return True
 
     # -- lookups ------------------------------------------------------------------------
 
@@ -655,5 +761,6 @@ class Pod:
                 "published_files": c.published_files, "published_bytes": c.published_bytes,
                 "fetched_bytes": c.fetched_bytes, "errors": c.errors, "timeouts": c.timeouts,
                 "damaged": c.damaged, "dropped": c.dropped, "queued_bytes": self.queued_bytes,
+                "up": self.up, "unpublished": len(self.unpublished),
                 "lookup_p50_us": pct(0.50), "lookup_p99_us": pct(0.99)}
 
