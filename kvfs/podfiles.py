@@ -340,9 +340,15 @@ class PodFiles:
         self._due.pop(ino, None)
         self.pod.unpublished.pop(ino, None)
 
-    def short_lived(self, ino: int) -> bool:
-        """Should the kernel ask again soon about *ino* (it follows the pod)?"""
-        return ino in self.remote or ino in self.imported
+    def entry_timeout(self, ino: int) -> float | None:
+        """How long the kernel may keep *ino*'s entry and attributes, if it must ask again
+        sooner than for a local file: a REMOTE file at every use (a failed fetch takes its
+        name away; a kernel still holding the entry would send a create of that name to the
+        gone inode, ENOENT), a fetched one after hit_ttl (a newer version in the pod
+        replaces it)."""
+        if ino in self.remote:
+            return 0.0
+        return self.pod.hit_ttl if ino in self.imported else None
 
     # -- status ---------------------------------------------------------------------------
 
