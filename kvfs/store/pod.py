@@ -62,6 +62,10 @@ HEAD_CHECK = struct.Struct("<Q")  # xxh3-64 of every byte before it
 HEAD_MAX = 64 << 10
 # Lookups answered by one Mooncake call at most.
 BATCH_MAX = 32
+# Data objects at least this big are decoded in two threads (below, the hand-off to the
+# second thread and back costs more than it saves on a loaded machine: 4 MiB files measured
+# slower).
+PARALLEL_DECODE_BYTES = 8 << 20
 # A fetch may take its size at this rate on top of the timeout before it is a miss.
 FETCH_FLOOR_BPS = 64 << 20
 # Mooncake's return codes (mooncake-store/include/types.h): the ones that mean "not there".
@@ -185,8 +189,8 @@ def decode_data(head: PodHead, data: bytes | memoryview, codec: Codec,
     chunk number and lengths, its payload decoded and hashed against the record's checksum.
     PodObjectError on the first thing that does not match (never partly wrong bytes).
     Chunks are decoded into *out* (at least head.size bytes; a new buffer if None), at
-    their offsets in the file; with *pool*, half of them in its thread meanwhile (decode
-    and hash run without the GIL)."""
+    their offsets in the file; with *pool*, for a big object, half of them in its thread
+    meanwhile (decode and hash run without the GIL)."""
     mv = memoryview(data)
     if len(mv) != head.data_len:
         raise PodObjectError(f"pod data of {head.path!r}: {len(mv)} bytes, head says "
@@ -196,7 +200,7 @@ def decode_data(head: PodHead, data: bytes | memoryview, codec: Codec,
     if len(out) < head.size:
         raise ValueError(f"a buffer of {len(out)} bytes for a file of {head.size}")
     entries = head.entries
-    if pool is None or len(entries) < 2:
+    if pool is None or len(entries) < 2 or len(mv) < PARALLEL_DECODE_BYTES:
         return PodFile(head, _decode_records(head, mv, entries, codec, out), out)
     half = len(entries) // 2
     other = pool.submit(_decode_records, head, mv, entries[half:], codec, out)
