@@ -172,9 +172,9 @@ class Operations(pyfuse3.Operations):
         a = pyfuse3.EntryAttributes()
         a.st_ino = inode.ino
         a.generation = 0
-        if self.pod is not None and self.pod.short_lived(inode.ino):
-            # the kernel asks again soon: a newer version in the pod replaces it
-            a.entry_timeout = a.attr_timeout = self.pod.pod.hit_ttl
+        ttl = None if self.pod is None else self.pod.entry_timeout(inode.ino)
+        if ttl is not None:  # the kernel asks again soon (kvfs/podfiles.py)
+            a.entry_timeout = a.attr_timeout = ttl
         else:
             a.entry_timeout = ENTRY_TIMEOUT
             a.attr_timeout = ATTR_TIMEOUT
