@@ -92,6 +92,11 @@ def _mem_available() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+DEFAULT_SEGMENT_SIZE = "64M"
+# Fewest segments a tier may have: the cleaner's 2 reserved, one open per stream (up to 5), one.
+MIN_SEGMENTS = 8
+
+
 @dataclass
 class Settings:
     """All knobs of one mount. String sizes are resolved by `resolve()`."""
@@ -107,8 +112,10 @@ class Settings:
     nvme_size: str | int = "50%"
     # Unit of placement, checksumming, compression and prefetch; fixed when the filesystem is made.
     chunk_size: str | int = "1M"
-    # Segment = unit of NVMe space reclamation (like an FDP reclaim unit).
-    segment_size: str | int = "64M"
+    # Segment = unit of NVMe space reclamation (like an FDP reclaim unit). Left at its default,
+    # it is halved (down to 4 chunks) until the tier holds 32 segments: the cleaner's reserve
+    # and each stream's open segment are whole segments, not to be half of a small tier.
+    segment_size: str | int = DEFAULT_SEGMENT_SIZE
     # Cache mode: when full, evict whole least-recently-used files instead of answering ENOSPC.
     cache_mode: bool = False
     foreground: bool = False
@@ -221,10 +228,15 @@ class Settings:
             raise ConfigError(f"meta_size must be at least 16M, not {self.meta_size}")
         if s.dram_size < 4 * s.chunk_size:
             raise ConfigError(f"dram_size must hold at least 4 chunks, not {self.dram_size}")
-        if s.nvme_size < 4 * s.segment_size:
+        if self.segment_size == DEFAULT_SEGMENT_SIZE:
+            while (s.nvme_size < 32 * s.segment_size
+                   and s.segment_size // 2 >= max(4 * s.chunk_size, 2 * s.chunk_size + 8192)):
+                s.segment_size //= 2
+        if s.nvme_size < MIN_SEGMENTS * s.segment_size:
             raise ConfigError(
-                f"nvme_size ({format_size(s.nvme_size)}) must hold at least 4 segments of "
-                f"{format_size(s.segment_size)}"
+                f"nvme_size ({format_size(s.nvme_size)}) must hold at least {MIN_SEGMENTS} "
+                f"segments of {format_size(s.segment_size)} (the cleaner's reserve and one "
+                "open segment per stream are whole segments)"
             )
         if not 0 < s.dram_low_watermark < s.dram_high_watermark <= 1:
             raise ConfigError("need 0 < dram_low_watermark < dram_high_watermark <= 1")

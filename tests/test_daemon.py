@@ -38,7 +38,7 @@ def dirs(tmp_path):
     (["--chunk-size", "3000"], "power of two"),
     (["--dram-size", "150%"], "percentage"),
     (["-o", "dram_high_watermark=2"], "watermark"),
-    (["--nvme-size", "1M"], "at least 4 segments"),
+    (["--nvme-size", "1M"], "at least 8 segments"),
     (["-o", "dram_verify=never"], "dram_verify must be once, open or ingest"),
     (["-o", "read_through_min=big"], "read_through_min"),
     (["-o", "fast_open_files=0"], "fast_open_files must be between 1 and 16384"),

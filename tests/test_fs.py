@@ -405,8 +405,13 @@ def test_a_mapped_file_unlinked_after_its_close_is_freed(kv):
     p.unlink()
     ctypes.memmove(addr, b"gone", 4)  # into a file nobody can open any more
     libc.munmap(addr, len(data))
-    st = kv.status()
-    assert st["passthrough"]["writing_files"] == 0 and st["tiers"]["dram"]["chunks"] == 0
+    deadline = time.monotonic() + 10  # (the kernel sends the RELEASE after munmap returns)
+    while True:
+        st = kv.status()
+        if st["passthrough"]["writing_files"] == 0 and st["tiers"]["dram"]["chunks"] == 0:
+            break
+        assert time.monotonic() < deadline, st["passthrough"]
+        time.sleep(0.02)
 
 
 def test_rename_replace_and_flags(kv):
