@@ -63,8 +63,15 @@ def _verify(m, live: dict[str, bytes]) -> None:
 
 def test_a_tier_too_small_for_its_streams_has_no_capacity(mount_factory):
     """4 segments: the cleaner's reserve and the streams' open segments take them all.
-    statvfs says 0 (it failed with EIO: a negative capacity), and writes get ENOSPC."""
-    m = mount_factory(nvme_size="4M", segment_size="1M", dram_size="1M")
+    statvfs says 0 (it failed with EIO: a negative capacity), and writes get ENOSPC. Such a
+    tier is refused at mount (fewer than 8 segments), but a store keeps the segment size it
+    was made with: remounted smaller, it can still get there."""
+    m = mount_factory(nvme_size="4M", segment_size="1M", dram_size="1M", start=False)
+    with pytest.raises(RuntimeError, match="at least 8 segments"):
+        m.start()
+    m.start(nvme_size="16M", segment_size="2M")
+    m.unmount()
+    m.start(nvme_size="8M")  # 8 segments of the 1M asked, 4 of the store's 2M
     sv = os.statvfs(m.path)
     assert sv.f_blocks == sv.f_bavail == 0
     with pytest.raises(OSError) as ei:
