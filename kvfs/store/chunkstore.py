@@ -128,7 +128,8 @@ class ChunkStore:
         t = self.through
         self.reads_through, self.start_read_through, self.buffer_predicted = (
             t.reads, t.start, t.predicted)
-        self.front_read, self.end_read_through = t.front_read, t.end
+        self.front_read, self.end_read_through, self.read_direct = (
+            t.front_read, t.end, t.read_direct)
         # Dirty chunks written back to NVMe (demotion, age, fsync, unmount).
         self.wb = WriteBack(self, chunk_size=chunk_size, nvme_dir=nvme_dir)
         w = self.wb
