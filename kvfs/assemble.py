@@ -18,14 +18,18 @@ from kvfs.config import ConfigError, Settings
 from kvfs.control import Control
 from kvfs.faults import Faults
 from kvfs.fs import Operations
-from kvfs.namespace import PIN_XATTR, REMOTE, Namespace
+from kvfs.liveconfig import LiveConfig
+from kvfs.namespace import PIN_XATTR, REMOTE, ROOT_INODE, Namespace
 from kvfs.podfiles import PodFiles
 from kvfs.readahead import Readahead
+from kvfs.store import fileinfo
 from kvfs.store.chunkstore import ChunkStore
 from kvfs.store.codec import Codec, CodecPolicy
+from kvfs.store.describe import Redescriber
 from kvfs.store.dram import OPEN_FILES
 from kvfs.store.events import StoreEvents
 from kvfs.store.fetch import StageWatch
+from kvfs.store.fileinfo import Component, FileInfo
 from kvfs.store.gc import Cleaner
 from kvfs.store.meta import MetaStore
 from kvfs.store.pod import Pod, PodUnavailable
@@ -74,6 +78,9 @@ class _Events(StoreEvents):
 
     def codec_context(self, ino: int) -> tuple[str | None, int | None]:
         return self.asm.codec_context(ino)
+
+    def file_info(self, ino: int) -> bytes:
+        return self.asm.file_info(ino)
 
     def stream_of(self, ino: int) -> int:
         return self.asm.classifier.stream_of(ino) if self.asm.classifier is not None else 0
@@ -129,9 +136,17 @@ class Assembly:
             self.store, depth=s.readahead_chunks, enabled=s.prefetch,
             bandwidth=s.prefetch_bandwidth, size_of=self.size_of, meta=self.meta)
         extra.append(self.readahead.stats)
-        self.control = Control(self.ns, self.store, s, self.readahead, extra, pod=self.podfiles)
+        self.demoter = Demoter(self.store, high=s.dram_high_watermark, low=s.dram_low_watermark,
+                               writeback_age=WRITEBACK_AGE_S)
+        self.control = Control(self.ns, self.store, s, self.readahead, extra, pod=self.podfiles,
+                               live=LiveConfig(s, self.store, self.demoter, self.readahead),
+                               faults=self.faults)
+        # after a rename, a record of the file's new name for fsck.kvfs --rebuild
+        self.redescriber = Redescriber(self.store, self.ns)
+        extra.append(self.redescriber.stats)
         self.ops = Operations(self.ns, self.store, self.control, self.readahead,
-                              cache_mode=s.cache_mode, faults=self.faults, pod=self.podfiles)
+                              cache_mode=s.cache_mode, faults=self.faults, pod=self.podfiles,
+                              renamed=self.redescriber.renamed)
         if self.podfiles is not None:
             extra.append(self.podfiles.stats)
         # opens answered by the shim's front thread, without waiting for the trio thread
@@ -147,8 +162,6 @@ class Assembly:
             extra.append(lambda: {"evictions": {"files": self.evictor.evicted_files,
                                                 "bytes": self.evictor.evicted_bytes,
                                                 "examined_files": self.evictor.examined}})
-        self.demoter = Demoter(self.store, high=s.dram_high_watermark, low=s.dram_low_watermark,
-                               writeback_age=WRITEBACK_AGE_S)
         # keys the searches for victims looked at, index entries walked past by requests
         # for a file's chunks: per chunk demoted or file written, neither may grow with what
         # the mount holds (issue 33)
@@ -161,7 +174,8 @@ class Assembly:
             self.ns, self.streams, lambda: self.store.counters.user_bytes_written,
             self.store.nvme.capacity)
         self.store.nvme.stream_hints = dict(enumerate(self.streams.hints))
-        self.cleaner = Cleaner(self.store, self.streams, faults=self.faults)
+        self.cleaner = Cleaner(self.store, self.streams, faults=self.faults,
+                               class_of=self.classifier.known_class)
         extra += [self.cleaner.stats, self.classifier.stats]
         self.store.high_water = int(s.dram_high_watermark * s.dram_size)
         # Files unlinked while open when the daemon last stopped: nobody can reach them now.
@@ -200,6 +214,34 @@ class Assembly:
         value = self.ns.inherited_hint(ino, b"user.kvfs.dtype", up)
         return (value.decode(errors="replace") if value else None), (up[0] if up else None)
 
+    def file_info(self, ino: int) -> bytes:
+        """What a record of *ino* carries so that a rebuild finds the file again
+        (kvfs/store/fileinfo.py): its attributes, chunks and path (its first name)."""
+        if self.ns is None:
+            return b""
+        inode = self.ns.inodes.get(ino)
+        if inode is None or not inode.is_reg:
+            return b""
+        path = []
+        node = inode
+        while True:
+            names = self.ns.names_of(node.ino)
+            if node.ino == ROOT_INODE:
+                name = b""
+            elif not names:
+                return b""  # unlinked: nothing to find again
+            else:
+                name = min(names)[1]
+            path.append(Component(node.ino, node.mode, node.uid, node.gid, name))
+            if node.ino == ROOT_INODE or len(path) > 4096:
+                break
+            node = self.ns.inodes[min(names)[0]]
+        store = self.store
+        chunks = fileinfo.bitmap(store.index.chunks_of(ino, store.nchunks(inode.size)))
+        return fileinfo.pack(FileInfo(
+            store.chunks.next_seq(), inode.mode, inode.uid, inode.gid, inode.size,
+            inode.mtime_ns, inode.ctime_ns, chunks, tuple(reversed(path))))
+
     async def run(self) -> None:
         self.collector.install()  # after loading: what the mount loaded is never scanned again
         if self.metrics is not None:  # scrapes read the status on this thread, between tasks
@@ -226,6 +268,7 @@ class Assembly:
         self.store.through.start_tasks(nursery.start_soon)  # read-ahead of read-through files
         self.ops.spawn = nursery.start_soon  # punched holes
         nursery.start_soon(self.demoter.run)
+        nursery.start_soon(self.redescriber.run)
         nursery.start_soon(self.cleaner.run)
         nursery.start_soon(self.readahead.run)
         nursery.start_soon(self.store.run_disposals)
@@ -239,11 +282,14 @@ class Assembly:
     async def finish(self) -> None:
         """An unmount, once no request can come any more: the files the kernel wrote are
         taken, every dirty chunk is written back (`left_in_dram`: the bytes that could not
-        be), the read-ahead's learned order is saved."""
+        be), the records of renamed files' new names are written, the read-ahead's learned
+        order is saved."""
         await self.ops.pt.finish_mapped()  # (and every other take)
         log.info("unmounting: writing dirty chunks back to NVMe")
         self.left_in_dram = await self.store.writeback_all()
+        await self.redescriber.flush()
         self.readahead.save()
+        self.control.stop_trace()  # (a recording under way ends complete)
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:

@@ -30,6 +30,19 @@ EPERM (the kernel asks first for write permission on the file, as for any user.*
                               "unchecked", "next"}; kvfs/store/scrub.py
     user.kvfs.scrub.repair[.START]  the same, dropping damaged copies that have a good one
                               and marking lost the chunks that have none
+    user.kvfs.trace.start     (set, any inode; the value: an absolute path outside the
+                              mount) record opens and creates there as a Mooncake trace
+                              (kvfs/trace.py); EBUSY if one is being recorded
+    user.kvfs.trace.stop      (set) stop recording (ENODATA if none), the file complete
+    user.kvfs.trace           (get, anyone) JSON of the recording under way, else ENODATA
+    user.kvfs.config          (get, anyone, any inode) JSON: {"settings": {name: value},
+                              "live": [the names that may change while mounted]} (the
+                              tiers' directories only for root and the daemon's user)
+    user.kvfs.config.NAME     (get) NAME's value as JSON; ENODATA if there is no such
+                              setting. (set) change a live setting until the unmount, the
+                              value as in `-o NAME=VALUE` (kvfs/liveconfig.py): EPERM if
+                              NAME changes only at the next mount, EINVAL if there is no
+                              NAME or the value is not one it may take
 
 Other `user.kvfs.*` names (e.g. user.kvfs.dtype) are ordinary stored xattrs that act as hints.
 """
@@ -42,11 +55,15 @@ import logging
 import os
 import time
 
+from kvfs.config import ConfigError
+from kvfs.faults import Faults
+from kvfs.liveconfig import LiveConfig, NotLive, UnknownSetting
 from kvfs.namespace import PIN_XATTR, Inode, NamespaceError
 from kvfs.store.dram import pages
 from kvfs.store.location import LOST, ChunkError, NoSpace
 from kvfs.store.scrub import Scrub
 from kvfs.tiering import PIN_SHARE
+from kvfs.trace import TraceRecorder
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +72,16 @@ WHERE_PAGE = 256  # chunks per answer: keeps the JSON under the 64 KiB xattr lim
 # millisecond), and kvfsctl can show progress between them.
 SCRUB_PAGE = 32
 VIRTUAL = (b"user.kvfs.status", b"user.kvfs.where", b"user.kvfs.prefetch", PIN_XATTR,
-           b"user.kvfs.unpin", b"user.kvfs.demote", b"user.kvfs.evict", b"user.kvfs.scrub")
+           b"user.kvfs.unpin", b"user.kvfs.demote", b"user.kvfs.evict", b"user.kvfs.scrub",
+           b"user.kvfs.trace", b"user.kvfs.config")
 # How many times `demote` writes back and drops what a file has in DRAM before it gives up
 # (writes and prefetches may bring chunks back meanwhile).
 DEMOTE_TRIES = 3
 
 
 class Control:
-    def __init__(self, ns, store, settings, readahead, extra_stats=(), pod=None) -> None:
+    def __init__(self, ns, store, settings, readahead, extra_stats=(), pod=None,
+                 live: LiveConfig | None = None, faults: Faults | None = None) -> None:
         self.ns = ns
         self.pod = pod  # kvfs.podfiles.PodFiles, or None
         self.store = store
@@ -71,6 +90,8 @@ class Control:
         self.extra_stats = extra_stats  # callables returning {section: {...}}; may grow
         self.started = time.time()
         self.scrub = Scrub(store)
+        self.live = live
+        self.faults = faults or Faults()
 
     @staticmethod
     def handles(name: bytes) -> bool:
@@ -99,14 +120,29 @@ class Control:
                 raise NamespaceError(errno.EBUSY)  # the kernel is writing its DRAM file
             page = await self.scrub.page(ino, inode.size, start, SCRUB_PAGE, repair)
             return json.dumps(page.as_dict(), separators=(",", ":")).encode()
+        if name == b"trace":
+            tracer = self.readahead.tracer
+            if tracer is None:
+                raise NamespaceError(errno.ENODATA)
+            return json.dumps(tracer.status()).encode()
+        if name == b"config" or name.startswith(b"config."):
+            values = self.live.values(private=uid in (0, os.geteuid()))
+            if name == b"config":
+                return json.dumps(values).encode()
+            key = os.fsdecode(name[len(b"config."):])
+            if key not in values["settings"]:
+                raise NamespaceError(errno.ENODATA)
+            return json.dumps(values["settings"][key]).encode()
         raise NamespaceError(errno.ENODATA)  # prefetch, unpin, demote, evict: write-only
 
     async def set(self, ino: int, name: bytes, value: bytes, uid: int) -> None:
+        self.faults.reached("control.set")  # (tests: the daemon dies mid-command)
         if name == b"prefetch":
             inode = self._file(ino)
             self.readahead.hint(ino, inode.size)
             return
-        if name in (b"status", b"where", b"scrub") or name.startswith((b"where.", b"scrub.")):
+        if name in (b"status", b"where", b"scrub", b"config") or name.startswith((b"where.",
+                                                                                  b"scrub.")):
             raise NamespaceError(errno.EPERM)  # read-only
         self._privileged(uid)
         if name == b"pin":
@@ -115,6 +151,13 @@ class Control:
             self.unpin(ino)
         elif name in (b"demote", b"evict"):
             await self.demote(ino)
+        elif name == b"trace.start":
+            self.start_trace(value)
+        elif name == b"trace.stop":
+            if self.stop_trace() is None:
+                raise NamespaceError(errno.ENODATA)
+        elif name.startswith(b"config."):
+            self.set_config(os.fsdecode(name[len(b"config."):]), value)
         else:
             raise NamespaceError(errno.EPERM)
 
@@ -232,6 +275,44 @@ class Control:
         if any(store.get(ino, c).dram_slot >= 0
                for c in store.index.chunks_of(ino, store.nchunks(size))):
             raise NamespaceError(errno.EBUSY)
+
+    # -- access traces -------------------------------------------------------------------
+    def start_trace(self, value: bytes) -> None:
+        if self.readahead.tracer is not None:
+            raise NamespaceError(errno.EBUSY)
+        path = os.fsdecode(value)
+        mount = os.path.abspath(self.settings.mountpoint)
+        if not os.path.isabs(path) or os.path.commonpath([mount, os.path.abspath(path)]) == mount:
+            # (the daemon must never call into its own mount: it would wait for itself)
+            raise NamespaceError(errno.EINVAL)
+        try:
+            self.readahead.tracer = TraceRecorder(path)
+        except OSError as exc:
+            raise NamespaceError(exc.errno or errno.EIO) from None
+        log.info("recording an access trace in %s", path)
+
+    def stop_trace(self) -> dict | None:
+        """Stop the recording under way (and complete its file); None if there is none."""
+        tracer, self.readahead.tracer = self.readahead.tracer, None
+        if tracer is None:
+            return None
+        try:
+            done = tracer.stop()
+        except OSError as exc:
+            log.error("access trace %s: %s", tracer.path, exc)
+            raise NamespaceError(exc.errno or errno.EIO) from None
+        log.info("access trace %s: %d requests", tracer.path, done["requests"])
+        return done
+
+    # -- settings ------------------------------------------------------------------------
+    def set_config(self, key: str, value: bytes) -> None:
+        try:
+            self.live.set(key, os.fsdecode(value))
+        except NotLive:
+            raise NamespaceError(errno.EPERM) from None
+        except (UnknownSetting, ConfigError) as exc:
+            log.info("config %s=%r refused: %s", key, value, exc)
+            raise NamespaceError(errno.EINVAL) from None
 
     def status(self, paths: bool = True) -> dict:
         """Everything kvfsctl status shows; the tiers' directories only with *paths*."""

@@ -142,7 +142,8 @@ class Operations(pyfuse3.Operations):
 
     def __init__(self, ns: Namespace, store: ChunkStore, control, readahead, *,
                  cache_mode: bool, evictor=None, faults: Faults | None = None,
-                 pod: PodFiles | None = None) -> None:
+                 pod: PodFiles | None = None,
+                 renamed: Callable[[int], None] = lambda ino: None) -> None:
         super().__init__()
         self.faults = faults or Faults()
         self.ns = ns
@@ -157,6 +158,7 @@ class Operations(pyfuse3.Operations):
         self._fh = itertools.count(1)
         self.pt = Passthrough(ns, store, readahead, host=self)
         self.pod = pod
+        self.renamed = renamed  # told of each rename's inode (kvfs/store/describe.py)
         self._opening: dict[int, int] = {}  # ino -> opens under way (_opening_file)
         # Unlinked files whose data is freed but which the kernel still knows (see _open).
         self._data_freed: set[int] = set()
@@ -170,9 +172,9 @@ class Operations(pyfuse3.Operations):
         a = pyfuse3.EntryAttributes()
         a.st_ino = inode.ino
         a.generation = 0
-        if self.pod is not None and self.pod.short_lived(inode.ino):
-            # the kernel asks again soon: a newer version in the pod replaces it
-            a.entry_timeout = a.attr_timeout = self.pod.pod.hit_ttl
+        ttl = None if self.pod is None else self.pod.entry_timeout(inode.ino)
+        if ttl is not None:  # the kernel asks again soon (kvfs/podfiles.py)
+            a.entry_timeout = a.attr_timeout = ttl
         else:
             a.entry_timeout = ENTRY_TIMEOUT
             a.attr_timeout = ATTR_TIMEOUT
@@ -217,7 +219,8 @@ class Operations(pyfuse3.Operations):
             self.ns.forget_inode(inode)
         elif inode.is_reg:
             self._data_freed.add(inode.ino)  # an OPEN already on its way finds it gone
-            self.faults.reached("freed")  # (lmdb keeps the inode, unnamed, until its FORGET)
+            # (lmdb keeps the inode, unnamed, until its FORGET; an unlink commits first)
+            self.store.meta.once_committed(lambda: self.faults.reached("freed"))
 
     async def _space_retry(self, op, need: int):
         """Run *op*; in cache mode, evict cold files and retry when the store is full."""
@@ -411,10 +414,11 @@ class Operations(pyfuse3.Operations):
         replaced = self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
         if replaced is not None:
             self._maybe_free(replaced)
-        if self.pod is not None:  # published under its new name (a file renamed into place)
-            moved = self.ns.lookup(parent_inode_new, name_new)
-            if moved is not None and self.ns.inodes[moved].is_reg:
-                self.pod.due(moved)
+        moved = self.ns.lookup(parent_inode_new, name_new)
+        if moved is not None:
+            self.renamed(moved)
+            if self.pod is not None and self.ns.inodes[moved].is_reg:
+                self.pod.due(moved)  # published under its new name (renamed into place)
 
     # -- files -----------------------------------------------------------------------------
     def _open_handle(self, inode: Inode, flags: int, pid: int,

@@ -81,6 +81,10 @@ def metrics_of(st: dict) -> Iterator[Metric]:
         yield g
     yield GaugeMetricFamily("kvfs_dram_dirty_bytes", "DRAM bytes not yet written to NVMe.",
                             value=tiers["dram"].get("dirty_bytes", 0))
+    for key, doc in (("pinned_files", "Files pinned in DRAM (kvfsctl pin)."),
+                     ("pinned_bytes", "DRAM the pinned files hold, or will once staged."),
+                     ("pin_limit_bytes", "Most DRAM the pinned files may hold.")):
+        yield GaugeMetricFamily(f"kvfs_dram_{key}", doc, value=tiers["dram"][key])
     r = st["reads"]
     c = CounterMetricFamily(
         "kvfs_read_chunks", "Chunks read, by the tier that served them: dram is a DRAM hit, "

@@ -8,10 +8,12 @@ room never calls back.
   (`run`), once no writer has the file open and what the kernel wrote into its DRAM file is
   taken, its chunks are read through the store, encoded as records in a worker thread and
   queued with `Pod.publish` under the name the file has *then*: a temp name renamed within
-  SETTLE_S of its close is never published.
+  SETTLE_S of its close is never published. Files the pod did not take because it was away
+  are due again when it is back (`_republish`).
 - Lookups of names not in a directory (`lookup`): on a pod hit the file appears, its inode
   flagged REMOTE (its size, mode and mtime from the head, no chunks). Its first open fetches
-  it whole (`fetch`), every record checked, and writes it into the store as if written here;
+  it whole (`fetch`), every record checked, and writes it into the store as if written here
+  (without holes: in one copy and one commit, `_land`);
   a failed fetch (gone, damaged, too slow) is a miss: the name goes and the open answers
   ENOENT. Per file, not per chunk.
 - A file fetched from the pod (`imported`, in memory) follows later versions while nobody
@@ -22,6 +24,7 @@ room never calls back.
 from __future__ import annotations
 
 import logging
+import os
 import stat
 import time
 from collections.abc import Awaitable, Callable
@@ -32,7 +35,7 @@ from kvfs.namespace import REMOTE, ROOT_INODE, Inode, Namespace
 from kvfs.store.chunkstore import ChunkStore
 from kvfs.store.location import LOST, TAIL_LOST
 from kvfs.store.nvme import HEADER_SIZE
-from kvfs.store.pod import Pod, PodHead, record_of
+from kvfs.store.pod import Pod, PodFile, PodHead, record_of
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,10 @@ DEPTH_MAX = 64
 # failed otherwise, gone or too slow or a dead member's, for the pod's miss_ttl); at most
 # FAILED_MAX of them: lookups do not bring back at once what the open could not give.
 DAMAGED_TTL_S = 10.0
+# Fetched files at least this big go into the store in one copy and one commit (`_land`);
+# smaller ones chunk by chunk, each whole chunk sealed as it is written (then the close's
+# seal has nothing left to hash: faster for a few chunks, 4 MiB files measured).
+LAND_MIN = 8 << 20
 FAILED_MAX = 4096
 
 
@@ -111,6 +118,19 @@ class PodFiles:
         """Publish the files due, each once its time came. *settled(ino)*: the inode once
         what the kernel wrote is taken, None if it is gone or a writer has it open (its
         close makes it due again)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._republish)
+            await self._publish_due(settled)
+
+    async def _republish(self) -> None:
+        """Each time the pod is back (or first up), the files it missed are due again."""
+        while True:
+            await self.pod.wait_up()
+            for ino in list(self.pod.unpublished):
+                self.due(ino)
+            await self.pod.wait_down()
+
+    async def _publish_due(self, settled: Callable[[int], Awaitable[Inode | None]]) -> None:
         while True:
             if not self._due:
                 await self._wakeup.wait()
@@ -137,6 +157,9 @@ class PodFiles:
         ino, size, version = node.ino, node.size, node.mtime_ns
         path = self.path_of(ino)
         if path is None:
+            return
+        if not self.pod.up:
+            self.pod.defer(ino)  # published when the pod is back
             return
         if not self.pod.can_take(size):
             return
@@ -170,7 +193,7 @@ class PodFiles:
             if changed():
                 return
         self.pod.publish(path, sorted(records.items()), version=version, mode=node.mode,
-                         size=size, mtime_ns=version, chunk_size=cs)
+                         size=size, mtime_ns=version, chunk_size=cs, tag=ino)
 
     # -- lookups --------------------------------------------------------------------------
 
@@ -209,30 +232,54 @@ class PodFiles:
         done = self._fetching[ino] = trio.Event()
         try:
             damaged = self.pod.counters.damaged
-            got = await self.pod.fetch(head)
-            if got is None:
-                self.remote.pop(ino, None)
-                ttl = DAMAGED_TTL_S if self.pod.counters.damaged > damaged else self.pod.miss_ttl
-                self._failed.pop(head.path, None)
-                self._failed[head.path] = (head.version, time.monotonic() + ttl)
-                while len(self._failed) > FAILED_MAX:
-                    del self._failed[next(iter(self._failed))]
-                return False
-            cs = head.chunk_size
-            for c, raw in sorted(got.chunks.items()):
-                pos = 0
-                while pos < len(raw):  # (a short write: what failed is raised by the next)
-                    pos += await self.store.write(ino, c * cs + pos, memoryview(raw)[pos:])
+            async with self.pod.fetched(head) as got:
+                if got is None:
+                    self.remote.pop(ino, None)
+                    ttl = (DAMAGED_TTL_S if self.pod.counters.damaged > damaged
+                           else self.pod.miss_ttl)
+                    self._failed.pop(head.path, None)
+                    self._failed[head.path] = (head.version, time.monotonic() + ttl)
+                    while len(self._failed) > FAILED_MAX:
+                        del self._failed[next(iter(self._failed))]
+                    return False
+                if not self._land(ino, got):
+                    cs = head.chunk_size
+                    for c, raw in sorted(got.chunks.items()):
+                        pos = 0
+                        while pos < len(raw):  # (a short write: what failed is raised next)
+                            pos += await self.store.write(ino, c * cs + pos, raw[pos:])
+                chunks = len(got.chunks)
             await self.store.seal(ino, head.size)
             node.flags &= ~REMOTE
             self.ns.save(node)
             self.remote.pop(ino, None)
             self.imported[ino] = (head.version, node.mtime_ns)
-            self.chunks_from_pod += len(got.chunks)
+            self.chunks_from_pod += chunks
             return True
         finally:
             del self._fetching[ino]
             done.set()
+
+    def _land(self, ino: int, got: PodFile) -> bool:
+        """A big fetched file without holes into its DRAM file at once: one copy, one
+        commit (the store's direct-write path); False if it is small or the store wants
+        the ordinary path."""
+        whole = got.whole
+        if whole is None or len(whole) < LAND_MIN:
+            return False
+        plan = self.store.plan_write(ino, 0, len(whole))
+        if plan is None:
+            return False
+        fd = self.store.write_fd(plan)
+        pos = 0
+        try:
+            while pos < len(whole):
+                pos += os.pwrite(fd, whole[pos:], pos)
+        except BaseException:
+            self.store.abort_write(plan)
+            raise
+        self.store.finish_write(plan, None)
+        return True
 
     def _failed_before(self, head: PodHead) -> bool:
         failed = self._failed.get(head.path)
@@ -296,10 +343,17 @@ class PodFiles:
         self.remote.pop(ino, None)
         self.imported.pop(ino, None)
         self._due.pop(ino, None)
+        self.pod.unpublished.pop(ino, None)
 
-    def short_lived(self, ino: int) -> bool:
-        """Should the kernel ask again soon about *ino* (it follows the pod)?"""
-        return ino in self.remote or ino in self.imported
+    def entry_timeout(self, ino: int) -> float | None:
+        """How long the kernel may keep *ino*'s entry and attributes, if it must ask again
+        sooner than for a local file: a REMOTE file at every use (a failed fetch takes its
+        name away; a kernel still holding the entry would send a create of that name to the
+        gone inode, ENOENT), a fetched one after hit_ttl (a newer version in the pod
+        replaces it)."""
+        if ino in self.remote:
+            return 0.0
+        return self.pod.hit_ttl if ino in self.imported else None
 
     # -- status ---------------------------------------------------------------------------
 

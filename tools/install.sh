@@ -31,7 +31,7 @@ done
 
 case "${1:-}" in
     demo) exec "$PYTHON" tools/demo.py "${2:-/mnt/kv}" ;;
-    test) exec "$PYTHON" -m pytest -q tests ;;
+    test) exec "$PYTHON" -m pytest -q -n 4 tests ;;
     "") echo "kvfs installed: kvfs mount /mnt/kv; kvfsctl status /mnt/kv" ;;
     *) echo "usage: tools/install.sh [demo [MOUNTPOINT] | test]" >&2; exit 2 ;;
 esac

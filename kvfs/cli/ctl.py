@@ -16,6 +16,18 @@
                                            written back first)
     kvfsctl scrub PATH [--repair] [--json] check every copy of every chunk against its
                                            checksum; exit 1 if damage was found
+    kvfsctl trace start FILE [MOUNTPOINT]  record the mount's opens and creates in FILE (an
+                                           absolute path outside the mount; MOUNTPOINT: the
+                                           kvfs mount FILE... default: the current directory)
+                                           in Mooncake's trace format (tools/trace_replay.py
+                                           replays it)
+    kvfsctl trace stop [MOUNTPOINT]        stop recording; FILE is complete
+    kvfsctl config set KEY VALUE [MOUNTPOINT]
+                                           change a setting that may change while mounted
+                                           (kvfs/liveconfig.py), until the unmount
+  For anyone:
+    kvfsctl config list [MOUNTPOINT]       the mount's settings, those that may change marked
+    kvfsctl config get KEY [MOUNTPOINT]    one setting's value
 
 It talks to the daemon through virtual xattrs on the mount (see kvfs/control.py), so it works
 wherever the mount is visible.
@@ -31,9 +43,12 @@ import os
 import sys
 import time
 
-from kvfs.config import format_size
+from kvfs.config import ConfigError, Settings, apply_options, format_size
 
 XATTR_SIZE_MAX = 65536
+# What a call into a mount whose daemon is gone fails with: ENOTCONN once the kernel knows,
+# ECONNABORTED for a request the daemon had taken and died in the middle of.
+DAEMON_GONE = (errno.ENOTCONN, errno.ECONNABORTED)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.getxattr.restype = ctypes.c_ssize_t
 _libc.getxattr.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t)
@@ -66,7 +81,7 @@ def _getxattr(path: str, name: str) -> bytes:
 def _why(path: str, exc: OSError) -> str:
     if exc.errno in (errno.ENODATA, errno.EOPNOTSUPP, errno.ENOTSUP):
         return f"{path} is not on a kvfs mount"
-    if exc.errno == errno.ENOTCONN:
+    if exc.errno in DAEMON_GONE:
         return (f"{path}: the daemon of this kvfs mount is gone (a crash?): clear it with "
                 f"`kvfs umount MOUNTPOINT`, then mount again")
     return f"{path}: {exc.strerror}"
@@ -212,7 +227,7 @@ def change(command: str, paths: list[str], recursive: bool) -> int:
         except OSError as exc:
             print(f"kvfsctl: {path}: {_change_failed(command, path, exc)}", file=sys.stderr)
             code = 1
-            if exc.errno in (errno.EPERM, errno.ENOTCONN):
+            if exc.errno == errno.EPERM or exc.errno in DAEMON_GONE:
                 break  # the same for every other file
     return code
 
@@ -269,7 +284,7 @@ def scrub(path: str, repair: bool, as_json: bool) -> int:
                     progress.end()
                     raise CtlError(f"{f}: scrub is for root and the user who mounted kvfs "
                                    f"only") from None
-                if exc.errno == errno.ENOTCONN:
+                if exc.errno in DAEMON_GONE:
                     progress.end()
                     raise CtlError(_why(f, exc)) from None
                 if exc.errno != errno.ENOENT:  # (deleted meanwhile: nothing to check)
@@ -470,6 +485,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="drop damaged copies that have a good one; mark lost the chunks "
                         "that have none (they read as EIO)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p = sub.add_parser("trace", help="record the mount's accesses in Mooncake's trace format "
+                                     "(root and the mount's owner)")
+    p.add_argument("action", choices=("start", "stop", "status"))
+    p.add_argument("args", nargs="*", metavar="FILE MOUNTPOINT",
+                   help="start: the trace file, then the mount (default: .); stop, status: "
+                        "the mount (default: .)")
+    p = sub.add_parser("config", help="the mount's settings; set: change one that may change "
+                                      "while mounted (root and the mount's owner)")
+    p.add_argument("action", choices=("list", "get", "set"))
+    p.add_argument("args", nargs="*", metavar="KEY VALUE MOUNTPOINT",
+                   help="list: [MOUNTPOINT]; get: KEY [MOUNTPOINT]; set: KEY VALUE "
+                        "[MOUNTPOINT] (MOUNTPOINT default: .)")
     args = parser.parse_args(argv)
     try:
         return _run(args)
@@ -495,6 +522,100 @@ def _run(args: argparse.Namespace) -> int:
         return change(args.command, args.paths, args.recursive)
     elif args.command == "scrub":
         return scrub(args.mountpoint, args.repair, args.json)
+    elif args.command == "trace":
+        return trace(args.action, args.args)
+    elif args.command == "config":
+        return config(args.action, args.args)
+    return 0
+
+
+def config(action: str, args: list[str]) -> int:
+    """`kvfsctl config list [MOUNT]`, `get KEY [MOUNT]`, `set KEY VALUE [MOUNT]`."""
+    want = {"list": 1, "get": 2, "set": 3}[action]
+    if not want - 1 <= len(args) <= want:
+        raise CtlError(f"config {action}: " + ("KEY VALUE " if action == "set" else "KEY "
+                                               if action == "get" else "") + "[MOUNTPOINT]")
+    mount = args[want - 1] if len(args) == want else "."
+    values = json.loads(_getxattr(mount, "user.kvfs.config"))
+    settings, live = values["settings"], values["live"]
+    if action == "list":
+        width = max(map(len, settings))
+        for key, value in settings.items():
+            print(f"{key:{width}} = {_shown(value)}"
+                  + ("  (may change while mounted)" if key in live else ""))
+        return 0
+    key = args[0]
+    if key not in settings and action == "get":
+        raise CtlError(f"{key}: no such setting (`kvfsctl config list` shows them)")
+    if action == "get":
+        print(_shown(settings[key]))
+        return 0
+    if key not in live:
+        raise CtlError(f"{key}: " + ("cannot change while mounted (mount again with -o "
+                                     f"{key}=...); these may: {', '.join(live)}"
+                                     if key in settings else "no such setting"))
+    try:
+        os.setxattr(mount, f"user.kvfs.config.{key}", os.fsencode(args[1]))
+    except OSError as exc:
+        if exc.errno in (errno.EPERM, errno.EACCES):
+            raise CtlError("config set is for root and the user who mounted kvfs "
+                           "only") from None
+        if exc.errno == errno.EINVAL:
+            raise CtlError(f"{key}: {args[1]!r} is not a value it may take"
+                           + _why_not(settings, key, args[1])) from None
+        raise CtlError(_why(mount, exc)) from None
+    now = json.loads(_getxattr(mount, f"user.kvfs.config.{key}"))
+    print(f"{key} = {_shown(now)} until the unmount")
+    return 0
+
+
+def _shown(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _why_not(settings: dict, key: str, text: str) -> str:
+    """Why the daemon refused *key*=*text* (the checks of `-o`), or nothing if we cannot
+    tell (our copy of the settings lacks the tiers' directories of an unprivileged user)."""
+    s = Settings(**{k: v for k, v in settings.items() if k in Settings.__dataclass_fields__})
+    try:
+        apply_options(s, f"{key}={text}")
+        s.resolve()
+    except ConfigError as exc:
+        return f": {exc}"
+    return ""
+
+
+def trace(action: str, args: list[str]) -> int:
+    """`kvfsctl trace start FILE [MOUNT]`, `stop [MOUNT]`, `status [MOUNT]`."""
+    want = 2 if action == "start" else 1
+    if not want - 1 <= len(args) <= want:
+        raise CtlError(f"trace {action}: " + ("FILE [MOUNTPOINT]" if action == "start"
+                                              else "[MOUNTPOINT]"))
+    mount = args[want - 1] if len(args) == want else "."
+    try:
+        if action == "status":
+            print(os.getxattr(mount, "user.kvfs.trace").decode())
+            return 0
+        if action == "start":
+            path = os.path.realpath(args[0])
+            if os.stat(os.path.dirname(path)).st_dev == os.stat(mount).st_dev:
+                raise CtlError(f"{args[0]}: the trace file must be outside the mount")
+            os.setxattr(mount, "user.kvfs.trace.start", os.fsencode(path))
+            print(f"recording {mount}'s accesses in {path}; `kvfsctl trace stop` ends it")
+        else:
+            done = json.loads(os.getxattr(mount, "user.kvfs.trace"))
+            os.setxattr(mount, "user.kvfs.trace.stop", b"1")
+            print(f"{done['file']}: recording stopped" + (
+                f"; writing it failed ({done['error']}): it holds the first "
+                f"{done['requests']} requests only" if done.get("error") else ""))
+    except OSError as exc:
+        if exc.errno == errno.ENODATA and action != "start":
+            raise CtlError(f"{mount}: no trace is being recorded") from None
+        if exc.errno == errno.EBUSY:
+            raise CtlError(f"{mount}: a trace is being recorded already") from None
+        if exc.errno in (errno.EPERM, errno.EACCES):
+            raise CtlError("trace is for root and the user who mounted kvfs only") from None
+        raise CtlError(_why(exc.filename or mount, exc)) from None
     return 0
 
 

@@ -103,6 +103,9 @@ class Readahead:
                  clock: Callable[[], float] = time.monotonic, meta=None) -> None:
         self.store = store
         self.meta = meta  # MetaStore to keep the learned order in (None: not kept)
+        # An access trace being recorded (kvfs/trace.py, `kvfsctl trace`): told of every
+        # open and create, which this object sees all of (passthrough's opens too).
+        self.tracer = None
         self.enabled = bool(enabled and depth > 0)
         self.size_of = size_of
         self.clock = clock
@@ -132,6 +135,8 @@ class Readahead:
 
     # -- events from fs (trio thread, must not block) ---------------------------------------
     def opened(self, ino: int, flags: int, size: int, pid: int) -> None:
+        if self.tracer is not None:
+            self.tracer.access(ino, pid)
         if not self.enabled:
             return
         if flags & os.O_ACCMODE == os.O_WRONLY:
@@ -140,6 +145,8 @@ class Readahead:
             self._read(pid, (ino, 0), self.clock(), opening=True)
 
     def created(self, ino: int, parent: int, pid: int) -> None:
+        if self.tracer is not None:
+            self.tracer.access(ino, pid)
         if self.enabled:
             self._wrote(pid, ino)
 

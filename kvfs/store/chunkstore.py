@@ -98,7 +98,7 @@ class ChunkStore:
         self.dram = DramFiles(dram_dir, fs_uuid, chunk_size, dram_size, dram_open_files)
         # Regions released by a commit give their pages back once the commit is done.
         meta.on_settled = self.dram.settle
-        self.nvme = NvmeLog(nvme_dir, fs_uuid, nvme_size, segment_size)
+        self.nvme = NvmeLog(nvme_dir, fs_uuid, nvme_size, segment_size, chunk_size=chunk_size)
         self.limiter = trio.CapacityLimiter(io_threads)
         self.counters = Counters()
         # Locations, shadows and their accounting. A change tells the read-through memory

@@ -51,6 +51,10 @@ class StoreEvents:
         """The file's dtype hint (user.kvfs.dtype) and its directory's inode, for the codec."""
         return None, None
 
+    def file_info(self, ino: int) -> bytes:
+        """The file's description for its records (kvfs/store/fileinfo.py; b"": none)."""
+        return b""
+
     def stream_of(self, ino: int) -> int:
         """The NVMe placement stream *ino*'s records go to."""
         return 0

@@ -18,10 +18,14 @@ frees space for longer. With lifetime streams most segments never need this: a s
 per-request blocks empties by itself and is unlinked when its last record dies.
 
 When it runs (checked at every kick and every TICK seconds):
-- urgent:     free segments <= reserved + 1, or a writer found no segment (`make_room`): clean
-              at full speed (writers are waiting), still letting demand reads go first;
-- background: free segments below the low watermark (FREE_TARGET of the tier, at least one per
-              stream beyond the reserve) until the high watermark: paced to BACKGROUND_RATE;
+- urgent:     on demand: free segments <= reserved (the next user stream that needs a segment
+              would find none), or a writer found none (`make_room`): clean at full speed
+              until one is free beyond the reserve, still letting demand reads go first.
+              As late as the reserve allows, not ahead of need on free-segment watermarks:
+              by then more of every victim has died, and the slack that watermarks keep
+              free is room the cleaner's victims do not get (the offline model, DESIGN.md:
+              rewritten-prefix cells at 90% live 1.93 / 1.72 / 1.59 with watermarks that
+              kept 5-6 of 32 segments free, 1.13 / 1.05 / 1.01 on demand);
 - idle:       no foreground writes for IDLE_AFTER seconds: cheap victims only (u <=
               IDLE_MAX_U), paced to IDLE_RATE, until IDLE_FREE_TARGET of the tier is free.
               Reads do not stop it (they take no space); they go first, as below.
@@ -44,6 +48,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 
 import trio
 
@@ -54,14 +59,9 @@ from kvfs.store.streams import HINT_NAMES, StreamTable, device_info
 
 log = logging.getLogger(__name__)
 
-# Background cleaning starts when fewer segments than this share of the tier are free.
-FREE_TARGET = 0.02
-# ... and stops this many segments (share of the tier, at least one) above that.
-FREE_HYSTERESIS = 0.02
 # Segments kept back from user streams so cleaning always has somewhere to copy to.
 GC_RESERVED_SEGMENTS = 2
-BACKGROUND_RATE = 256 << 20  # bytes copied per second when not urgent
-IDLE_RATE = 64 << 20
+IDLE_RATE = 64 << 20  # bytes copied per second when cleaning in idle time
 IDLE_AFTER = 2.0  # seconds without foreground writes
 IDLE_MAX_U = 0.5
 IDLE_FREE_TARGET = 0.25
@@ -78,21 +78,23 @@ class _NoRoom(Exception):
 
 class Cleaner:
     def __init__(self, store, table: StreamTable | None = None, *,
-                 rate: float = BACKGROUND_RATE, idle_rate: float = IDLE_RATE,
-                 idle_after: float = IDLE_AFTER, faults: Faults | None = None) -> None:
+                 idle_rate: float = IDLE_RATE, idle_after: float = IDLE_AFTER,
+                 faults: Faults | None = None,
+                 class_of: Callable[[int], str | None] = lambda ino: None) -> None:
         self.store = store
         self.faults = faults or Faults()  # crash points gc.written/committed/moved/synced
         self.nvme = store.nvme
         self.table = table or StreamTable.make(2)
+        self.class_of = class_of  # a file's placement class now (LifetimeClassifier.known_class)
         self.nvme.gc_reserved = GC_RESERVED_SEGMENTS
+        self.nvme.open_streams = self.table.count
         self.nvme.on_new_segment = self._segment_opened
-        self.rate = rate
         self.idle_rate = idle_rate
         self.idle_after = idle_after
         self.segments_cleaned = 0
         self.records_moved = 0
         self.bytes_moved = 0
-        self.passes = {"urgent": 0, "background": 0, "idle": 0}
+        self.passes = {"urgent": 0, "idle": 0}
         self.victims: dict[int, list] = {}  # stream -> [segments cleaned, sum of live share]
         self.paced_s = 0.0
         self.yielded_s = 0.0
@@ -102,7 +104,6 @@ class Cleaner:
         self._next_ok = 0.0
         self._activity: tuple = ()
         self._last_activity = time.monotonic()
-        self._in_background = False
         self._device: dict | None = None
         self._open_seen: dict[int, tuple[int, int, int]] = {}
         # Segments that a whole pass left with live records it could not move (one whose
@@ -116,22 +117,14 @@ class Cleaner:
         self._kick.set()
 
     def _segment_opened(self) -> None:
-        if self.nvme.free_segments() < self.low_mark:
+        if self.nvme.free_segments() <= self.urgent_mark:
             self._kick.set()
 
-    # -- watermarks ------------------------------------------------------------------------
+    # -- when ------------------------------------------------------------------------------
     @property
     def urgent_mark(self) -> int:
-        return self.nvme.gc_reserved + 1
-
-    @property
-    def low_mark(self) -> int:
-        n = self.nvme.max_segments
-        return max(self.nvme.gc_reserved + 3, math.ceil(FREE_TARGET * n))
-
-    @property
-    def high_mark(self) -> int:
-        return self.low_mark + max(1, math.ceil(FREE_HYSTERESIS * self.nvme.max_segments))
+        """Free segments at or below which cleaning is needed: the reserve."""
+        return self.nvme.gc_reserved
 
     def _idle(self) -> bool:
         now = (self.store.seq, self.store.counters.user_bytes_written)
@@ -144,23 +137,27 @@ class Cleaner:
         free = self.nvme.free_segments()
         if free <= self.urgent_mark:
             return "urgent"
-        if free < self.low_mark or (self._in_background and free < self.high_mark):
-            return "background"
         if self._idle() and free < IDLE_FREE_TARGET * self.nvme.max_segments:
             return "idle"
         return None
 
     # -- victims ---------------------------------------------------------------------------
     def pick_victim(self, max_u: float = 0.98) -> Segment | None:
+        """The best victim by cost-benefit, its live share u measured against what a
+        segment surely holds (whole records of a full chunk): the end of a full segment
+        that no record fits is not room that cleaning it would win (with 256 KiB chunks in
+        1 MiB segments, a full segment is 76% of its size: it was picked, its records
+        copied to fill another segment as full, forever)."""
         now = self.nvme.bytes_written
         size = self.nvme.segment_size
+        holds = self.nvme.usable(self.store.cs)
         best, best_score = None, 0.0
         open_ids = {s.seg_id for s in self.nvme.open_segment.values()}
         for seg in self.nvme.segments.values():
             if (seg.seg_id in open_ids or seg.deleted or seg.hold
                     or self._unmovable.get(seg.seg_id) == seg.live_bytes):
                 continue
-            u = min(1.0, max(0, seg.live_bytes) / size)
+            u = min(1.0, max(0, seg.live_bytes) / holds)
             if u > max_u:
                 continue  # nothing (or too little) to gain
             score = (1 - u) * (now - seg.clock + size) / (1 + u)
@@ -182,13 +179,10 @@ class Cleaner:
 
     async def clean_while_needed(self) -> None:
         mode = self.mode()
-        self._in_background = mode == "background"
         while mode is not None:
             if not await self.clean_one(mode):
                 break
             mode = self.mode()
-            self._in_background = mode in ("background", "urgent")
-        self._in_background = False
 
     def seal_idle_open_segments(self) -> None:
         nvme = self.nvme
@@ -202,11 +196,14 @@ class Cleaner:
 
     async def make_room(self) -> bool:
         """Called when a user append found no free segment (only the cleaner's reserve is
-        left): clean until a user stream may open one again. False if cleaning cannot help."""
+        left): clean until a user stream may open one again. False if cleaning cannot help.
+        Each victim nets only its dead share, so with mostly-live victims freeing one
+        segment takes many passes: up to one per segment of the tier (a writer waits
+        rather than get ENOSPC below the capacity)."""
         def room() -> bool:
             return self.nvme.free_segments() > self.nvme.gc_reserved
 
-        for _ in range(8):
+        for _ in range(max(8, self.nvme.max_segments)):
             if room():
                 return True
             if not await self.clean_one("urgent"):
@@ -256,8 +253,8 @@ class Cleaner:
                     break  # leave the rest where it is
                 if dst is not None:
                     moved_to[dst.seg_id] = dst
-                if mode != "urgent" and self.mode() != "urgent":
-                    await self._pace(loc.rec_len, self.idle_rate if mode == "idle" else self.rate)
+                if mode == "idle" and self.mode() != "urgent":
+                    await self._pace(loc.rec_len, self.idle_rate)
             else:
                 complete = True
             self.faults.reached("gc.moved")
@@ -285,14 +282,14 @@ class Cleaner:
         """Copy one live record; returns the segment it went to (None: left in place)."""
         store = self.store
         try:
-            header, payload = await trio.to_thread.run_sync(
-                self.nvme.read_record, seg, off, loc.rec_len, limiter=store.limiter)
+            header, payload, info = await trio.to_thread.run_sync(
+                self.nvme.read_whole, seg, off, loc.rec_len, limiter=store.limiter)
         except (RecordError, OSError) as exc:
             log.error("cleaning segment %d: record at %d unreadable (%s); left in place",
                       seg.seg_id, off, exc)
             return None  # not a reason to stop the pass
-        rec_len = record_length(len(payload))
-        stream = self.table.gc_destination(seg.stream)
+        rec_len = record_length(len(payload), len(info))
+        stream = self.table.gc_destination(seg.stream, self.class_of(h.ino))
         try:
             dst, dst_off = self.nvme.reserve(stream, rec_len, for_gc=True)
         except NvmeFull:
@@ -300,10 +297,10 @@ class Cleaner:
                                 f"{seg.seg_id} and others stay as they are)")
             raise _NoRoom() from None
         moved = RecordHeader(header.codec, stream, header.ino, header.chunk, header.seq,
-                             header.raw_len, header.stored_len, header.checksum)
+                             header.raw_len, header.stored_len, header.checksum, len(info))
         try:
             await trio.to_thread.run_sync(self.nvme.write_record, dst, dst_off, moved, payload,
-                                          limiter=store.limiter)
+                                          info, limiter=store.limiter)
         except BaseException:
             self.nvme.mark_dead(dst.seg_id, rec_len)
             raise
@@ -409,8 +406,7 @@ class Cleaner:
                 "yielded_to_reads_s": round(self.yielded_s, 3),
                 "cleaning": self.cleaning,
                 "free_segments": free,
-                "watermarks": {"urgent": self.urgent_mark, "low": self.low_mark,
-                               "high": self.high_mark,
+                "watermarks": {"urgent": self.urgent_mark,
                                "idle_target": math.ceil(IDLE_FREE_TARGET * nvme.max_segments)},
                 "segment_size": size,
                 "max_segments": nvme.max_segments,

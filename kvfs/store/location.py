@@ -25,6 +25,7 @@ import xxhash
 
 from kvfs import _digest
 from kvfs.store.codec import CODEC_RAW
+from kvfs.store.fileinfo import MAX_INFO
 from kvfs.store.meta import COUNTER_MAX
 from kvfs.store.nvme import BLOCK, record_length
 
@@ -67,7 +68,8 @@ def parse_loc(value: bytes, chunk_size: int) -> Loc:
     if loc.seq >= COUNTER_MAX or loc.flags & PACKED and not loc.seg:
         raise ValueError(f"impossible chunk location {loc}")
     if loc.seg and (loc.off < BLOCK or loc.off % BLOCK
-                    or loc.rec_len != record_length(loc.stored_len)):
+                    or loc.rec_len % BLOCK or loc.rec_len < record_length(loc.stored_len)
+                    or loc.rec_len > record_length(loc.stored_len, MAX_INFO)):
         raise ValueError(f"impossible record location {loc}")
     return loc
 

@@ -49,9 +49,11 @@ META_CHECK_EVERY = 8
 
 # Format 2 adds the PACKED chunk flag; format 3 moves DRAM copies from one arena file of
 # slots to one file per inode; format 4 keeps the inode flag DENSE (kvfs.namespace), which
-# files made before it lack (docs/FORMAT.md). Older formats are migrated at mount.
-FORMAT_VERSION = 4
-READABLE_FORMATS = (1, 2, 3, 4)
+# files made before it lack (docs/FORMAT.md); format 5 writes version 2 records (each carries
+# its file's description, for `fsck.kvfs --rebuild`), which a version without it cannot
+# read or move. Older formats are migrated at mount.
+FORMAT_VERSION = 5
+READABLE_FORMATS = (1, 2, 3, 4, 5)
 _U64 = struct.Struct(">Q")
 _KEY2 = struct.Struct(">QQ")
 T = TypeVar("T")
@@ -243,6 +245,13 @@ class MetaStore:
         """Run *fn* once the current write transaction has committed (dropped on abort)."""
         assert self._txn is not None, "after_commit outside a write transaction"
         self._after.append(fn)
+
+    def once_committed(self, fn) -> None:
+        """Run *fn* after the current write transaction commits, or now if there is none."""
+        if self._txn is None:
+            fn()
+        else:
+            self._after.append(fn)
 
     def counter(self, txn: lmdb.Transaction, name: bytes, default: int) -> int:
         raw = txn.get(name, db=self.db["counters"])

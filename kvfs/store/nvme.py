@@ -8,11 +8,14 @@ lets the filesystem below discard the blocks. Each new segment file gets its str
 write-life hint (F_SET_RW_HINT; see kvfs/store/streams.py). The byte layouts are in
 docs/FORMAT.md.
 
-Record: 64-byte header, payload, zero padding to a 4 KiB boundary.
+Record: 64-byte header, payload, the file's description (version 2, kvfs/store/fileinfo.py:
+what `fsck.kvfs --rebuild` makes the metadata from), zero padding to a 4 KiB boundary.
     magic u32 'KVR1' | version u16 | codec u8 | stream u8 | ino u64 | chunk u64 | seq u64 |
-    raw_len u32 | stored_len u32 | checksum u64 (xxh3-64 of the raw bytes) | 12 reserved
-    bytes (zero) | header_check u32 (xxh32 of the 60 bytes before it)
-Segment: a 4 KiB header block (magic 'KVSG', version, segment id, stream, fs uuid), records after.
+    raw_len u32 | stored_len u32 | checksum u64 (xxh3-64 of the raw bytes) | info_len u32
+    (version 2; 0 in version 1) | 8 reserved bytes (zero) | header_check u32 (xxh32 of the
+    60 bytes before it)
+Segment: a 4 KiB header block (magic 'KVSG', version, segment id, stream, fs uuid, created,
+and from version 2 the store's chunk and segment sizes), records after.
 """
 
 from __future__ import annotations
@@ -40,11 +43,16 @@ log = logging.getLogger(__name__)
 BLOCK = 4096
 RECORD_MAGIC = 0x3152564B  # b"KVR1" little-endian
 SEGMENT_MAGIC = 0x4753564B  # b"KVSG"
-RECORD_VERSION = 1
-SEGMENT_VERSION = 1
-HEADER = struct.Struct("<IHBBQQQIIQ12x")  # 60 bytes, then header_check u32
+# Version 2 records carry the file's description after the payload (info_len bytes); version
+# 1 records (info_len 0) read the same way.
+RECORD_VERSION = 2
+RECORD_VERSIONS = (1, 2)
+# Version 2 segment headers add the store's chunk and segment sizes (for a rebuild).
+SEGMENT_VERSION = 2
+HEADER = struct.Struct("<IHBBQQQIIQI8x")  # 60 bytes, then header_check u32
 HEADER_SIZE = 64
 SEGMENT_HEADER = struct.Struct("<IHBxI16sQ")
+SEGMENT_SIZES = struct.Struct("<IQ")  # (version 2) chunk_size, segment_size, after the header
 SEGMENT_NAME = re.compile(r"seg-(\d{8})\.kvs")
 T = TypeVar("T")
 
@@ -66,8 +74,8 @@ def align_up(n: int) -> int:
     return (n + BLOCK - 1) & ~(BLOCK - 1)
 
 
-def record_length(stored_len: int) -> int:
-    return align_up(HEADER_SIZE + stored_len)
+def record_length(stored_len: int, info_len: int = 0) -> int:
+    return align_up(HEADER_SIZE + stored_len + info_len)
 
 
 @dataclass(frozen=True)
@@ -80,11 +88,13 @@ class RecordHeader:
     raw_len: int
     stored_len: int
     checksum: int
+    info_len: int = 0  # bytes of the file's description after the payload (version 2)
+    version: int = RECORD_VERSION
 
 
 def pack_header(h: RecordHeader) -> bytes:
-    body = HEADER.pack(RECORD_MAGIC, RECORD_VERSION, h.codec, h.stream, h.ino, h.chunk, h.seq,
-                       h.raw_len, h.stored_len, h.checksum)
+    body = HEADER.pack(RECORD_MAGIC, h.version, h.codec, h.stream, h.ino, h.chunk, h.seq,
+                       h.raw_len, h.stored_len, h.checksum, h.info_len)
     return body + struct.pack("<I", xxhash.xxh32_intdigest(body))
 
 
@@ -93,10 +103,12 @@ def unpack_header(buf: bytes | memoryview) -> RecordHeader:
     (check,) = struct.unpack_from("<I", buf, 60)
     if xxhash.xxh32_intdigest(body) != check:
         raise RecordError("record header checksum mismatch")
-    magic, version, codec, stream, ino, chunk, seq, raw_len, stored_len, csum = HEADER.unpack(body)
-    if magic != RECORD_MAGIC or version != RECORD_VERSION:
+    (magic, version, codec, stream, ino, chunk, seq, raw_len, stored_len, csum,
+     info_len) = HEADER.unpack(body)
+    if magic != RECORD_MAGIC or version not in RECORD_VERSIONS or version == 1 and info_len:
         raise RecordError(f"not a kvfs record (magic {magic:#x}, version {version})")
-    return RecordHeader(codec, stream, ino, chunk, seq, raw_len, stored_len, csum)
+    return RecordHeader(codec, stream, ino, chunk, seq, raw_len, stored_len, csum, info_len,
+                        version)
 
 
 class AlignedBuffers:
@@ -154,12 +166,13 @@ class NvmeLog:
     """Segments, streams, appends and reads. Accounting of live bytes is driven by the store."""
 
     def __init__(self, directory: str, fs_uuid: str, capacity: int, segment_size: int, *,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, chunk_size: int = 0) -> None:
         self.directory = os.path.join(directory, "segments")
         os.makedirs(self.directory, exist_ok=True)
         self.fs_uuid = uuidlib.UUID(fs_uuid).bytes
         self.capacity = capacity
         self.segment_size = segment_size
+        self.chunk_size = chunk_size  # (written into segment headers, for a rebuild)
         self._max_segments = capacity // segment_size  # what nvme_size allows
         self._room = 0  # free bytes of the filesystem below, as last read (`room`)
         self._room_read = -ROOM_TTL_S
@@ -175,6 +188,7 @@ class NvmeLog:
         self.streams: dict[int, StreamCounters] = {}
         self.on_new_segment = lambda: None  # the cleaner's kick: free space just shrank
         self.gc_reserved = 2  # segments only the cleaner may open
+        self.open_streams = 1  # streams, each holding an open segment (set by the cleaner)
         self._discover(read_only)
 
     # -- segments --------------------------------------------------------------------------
@@ -273,6 +287,8 @@ class NvmeLog:
             buf[:BLOCK] = bytes(BLOCK)
             buf[:SEGMENT_HEADER.size] = SEGMENT_HEADER.pack(
                 SEGMENT_MAGIC, SEGMENT_VERSION, stream, seg_id, self.fs_uuid, time.time_ns())
+            buf[SEGMENT_HEADER.size:SEGMENT_HEADER.size + SEGMENT_SIZES.size] = \
+                SEGMENT_SIZES.pack(self.chunk_size, self.segment_size)
             os.pwrite(fd, memoryview(buf)[:BLOCK], 0)
         except OSError as exc:
             os.close(fd)
@@ -379,23 +395,26 @@ class NvmeLog:
 
     # -- I/O (worker threads) ---------------------------------------------------------------
     def write_record(self, seg: Segment, off: int, header: RecordHeader,
-                     payload: bytes | memoryview) -> int:
+                     payload: bytes | memoryview, info: bytes = b"") -> int:
         """Write one record at *off*; returns its length on disk."""
-        return self.write_records(seg, off, [(header, payload)])
+        return self.write_records(seg, off, [(header, payload, info)])
 
     def write_records(self, seg: Segment, off: int,
-                      records: list[tuple[RecordHeader, bytes | memoryview]]) -> int:
-        """Write records that follow each other from *off* on, in one write; returns their
-        length on disk."""
-        total = sum(record_length(len(payload)) for _, payload in records)
+                      records: list[tuple[RecordHeader, bytes | memoryview, bytes]]) -> int:
+        """Write records (header, payload, the file's description: header.info_len bytes)
+        that follow each other from *off* on, in one write; returns their length on disk."""
+        total = sum(record_length(len(payload), len(info)) for _, payload, info in records)
         buf = self.buffers.get(total)
         try:
             pos = 0
-            for header, payload in records:
-                end = pos + record_length(len(payload))
+            for header, payload, info in records:
+                assert header.info_len == len(info)
+                end = pos + record_length(len(payload), len(info))
                 tail = pos + HEADER_SIZE + len(payload)
                 buf[pos:pos + HEADER_SIZE] = pack_header(header)
                 buf[pos + HEADER_SIZE:tail] = payload
+                buf[tail:tail + len(info)] = info
+                tail += len(info)
                 buf[tail:end] = bytes(end - tail)
                 pos = end
             if os.pwrite(seg.fd, memoryview(buf)[:total], off) != total:
@@ -447,6 +466,22 @@ class NvmeLog:
             if into is None:
                 self.buffers.put(buf)
 
+    def read_whole(self, seg: Segment, off: int, rec_len: int
+                   ) -> tuple[RecordHeader, bytes, bytes]:
+        """A record's header, payload and file description (copies; the cleaner moves it
+        whole). Worker thread, *seg* pinned."""
+        def split(h: RecordHeader, _payload: memoryview) -> tuple[RecordHeader, bytes, bytes]:
+            start = HEADER_SIZE + h.stored_len
+            if start + h.info_len > rec_len:
+                raise RecordError(f"record in segment {seg.seg_id} at {off} is truncated")
+            return h, bytes(_payload), bytes(memoryview(buf)[start:start + h.info_len])
+
+        buf = self.buffers.get(rec_len)
+        try:
+            return self.read_record(seg, off, rec_len, split, into=buf)
+        finally:
+            self.buffers.put(buf)
+
     def sync(self) -> None:
         """fdatasync every segment with appended records (worker thread)."""
         for seg in list(self.segments.values()):
@@ -476,7 +511,7 @@ class NvmeLog:
                     off += BLOCK  # a torn or never-written record: resynchronise on blocks
                     continue
                 out.append((off, h))
-                off += record_length(h.stored_len)
+                off += record_length(h.stored_len, h.info_len)
         finally:
             self.buffers.put(buf)
         return out

@@ -18,12 +18,16 @@ lanes of one thread each: lookups, fetches, publishing. A lookup or fetch waits 
 is abandoned and finishes on its own. While a lane's call has run past the timeout (a dead
 master holds a call ~4 s in Mooncake 0.3.13.post1), calls on that lane miss at once instead
 of queueing. Publishing goes through a queue with a byte cap, never waits for the pod:
-what does not fit is dropped and counted. docs/DESIGN.md, Pod tier.
+what does not fit is dropped and counted; a file whose put failed (the pod is away) is
+kept by its caller's tag (`unpublished`) for when a probe put works again. Fetched files
+are decoded into one landing buffer, in two threads. docs/DESIGN.md, Pod tier.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -33,7 +37,7 @@ import struct
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -58,14 +62,27 @@ HEAD_CHECK = struct.Struct("<Q")  # xxh3-64 of every byte before it
 HEAD_MAX = 64 << 10
 # Lookups answered by one Mooncake call at most.
 BATCH_MAX = 32
+# Data objects at least this big are decoded in two threads (below, the hand-off to the
+# second thread and back costs more than it saves on a loaded machine: 4 MiB files measured
+# slower).
+PARALLEL_DECODE_BYTES = 8 << 20
 # A fetch may take its size at this rate on top of the timeout before it is a miss.
-FETCH_FLOOR_BPS = 256 << 20
+FETCH_FLOOR_BPS = 64 << 20
 # Mooncake's return codes (mooncake-store/include/types.h): the ones that mean "not there".
 OBJECT_NOT_FOUND = -704
 # Negative and positive lookup answers kept at most (the oldest go first).
 CACHE_MAX = 1 << 16
 MEMBERS_EVERY_S = 5.0
 CONNECT_RETRY_S = 1.0
+# While the pod is away (a publish failed), whether it is back is asked this often.
+PROBE_EVERY_S = 0.5
+# Files not published because the pod was away, kept to be published when it is back: at
+# most this many (the oldest go first, counted as dropped), each put at most PUT_ATTEMPTS
+# times.
+UNPUBLISHED_MAX = 4096
+PUT_ATTEMPTS = 3
+# Most an unmount waits for the client to leave the pod.
+CLOSE_S = 1.0
 
 
 class PodObjectError(Exception):
@@ -97,13 +114,29 @@ class PodHead:
 
 @dataclass
 class PodFile:
-    """A fetched file: its head and each present chunk's raw bytes, checked."""
+    """A fetched file: its head and each present chunk's raw bytes, checked (views of
+    one buffer that holds each chunk at its offset in the file)."""
 
     head: PodHead
-    chunks: dict[int, bytes]
+    chunks: dict[int, memoryview]
+    buf: memoryview  # the file's bytes at their offsets (where chunks are)
+
+    @property
+    def whole(self) -> memoryview | None:
+        """The file's bytes in one view, if its chunks are all there and all full but the
+        last (no hole: the buffer is not zeroed between fetches)."""
+        if not self.chunks:
+            return None
+        c = max(self.chunks)
+        view = self.chunks[c]
+        if (len(self.chunks) != c + 1
+                or c * self.head.chunk_size + len(view) != self.head.size
+                or any(len(v) != self.head.chunk_size for k, v in self.chunks.items() if k < c)):
+            return None
+        return self.buf[:self.head.size]
 
     def data(self) -> bytes:
-        """The whole file (holes as zeros)."""
+        """The whole file (holes as zeros), a copy."""
         out = bytearray(self.head.size)
         cs = self.head.chunk_size
         for c, raw in self.chunks.items():
@@ -149,32 +182,57 @@ def decode_head(buf: bytes | memoryview, path: str) -> PodHead:
     return PodHead(path, member, file_version, mode, size, mtime_ns, chunk_size, entries)
 
 
-def decode_data(head: PodHead, data: bytes | memoryview, codec: Codec) -> PodFile:
+def decode_data(head: PodHead, data: bytes | memoryview, codec: Codec,
+                out: memoryview | None = None,
+                pool: concurrent.futures.Executor | None = None) -> PodFile:
     """Check and decode a data object against its head: every record's header check, its
     chunk number and lengths, its payload decoded and hashed against the record's checksum.
-    PodObjectError on the first thing that does not match (never partly wrong bytes)."""
+    PodObjectError on the first thing that does not match (never partly wrong bytes).
+    Chunks are decoded into *out* (at least head.size bytes; a new buffer if None), at
+    their offsets in the file; with *pool*, for a big object, half of them in its thread
+    meanwhile (decode and hash run without the GIL)."""
     mv = memoryview(data)
     if len(mv) != head.data_len:
         raise PodObjectError(f"pod data of {head.path!r}: {len(mv)} bytes, head says "
                              f"{head.data_len}")
-    chunks: dict[int, bytes] = {}
-    for c, off, length in head.entries:
+    if out is None:
+        out = memoryview(bytearray(head.size))
+    if len(out) < head.size:
+        raise ValueError(f"a buffer of {len(out)} bytes for a file of {head.size}")
+    entries = head.entries
+    if pool is None or len(entries) < 2 or len(mv) < PARALLEL_DECODE_BYTES:
+        return PodFile(head, _decode_records(head, mv, entries, codec, out), out)
+    half = len(entries) // 2
+    other = pool.submit(_decode_records, head, mv, entries[half:], codec, out)
+    try:
+        chunks = _decode_records(head, mv, entries[:half], codec, out)
+    finally:
+        rest = other.result()  # (waited for even on an error: it writes into out)
+    return PodFile(head, chunks | rest, out)
+
+
+def _decode_records(head: PodHead, mv: memoryview, entries: Sequence[tuple[int, int, int]],
+                    codec: Codec, out: memoryview) -> dict[int, memoryview]:
+    chunks: dict[int, memoryview] = {}
+    cs = head.chunk_size
+    for c, off, length in entries:
         rec = mv[off:off + length]
         try:
             h = unpack_header(rec)
         except RecordError as e:
             raise PodObjectError(f"pod data of {head.path!r}, chunk {c}: {e}") from None
-        if (h.chunk != c or HEADER_SIZE + h.stored_len != length or h.raw_len > head.chunk_size
-                or c * head.chunk_size + h.raw_len > head.size):
+        if (h.chunk != c or HEADER_SIZE + h.stored_len != length or h.raw_len > cs
+                or c * cs + h.raw_len > head.size):
             raise PodObjectError(f"pod data of {head.path!r}, chunk {c}: record does not fit")
+        raw = out[c * cs:c * cs + h.raw_len]
         try:
-            raw = bytes(codec.decode(h.codec, rec[HEADER_SIZE:], h.raw_len))
+            codec.decode_into(h.codec, rec[HEADER_SIZE:], h.raw_len, raw)
         except CodecError as e:
             raise PodObjectError(f"pod data of {head.path!r}, chunk {c}: {e}") from None
         if hash_bytes(raw) != h.checksum:
             raise PodObjectError(f"pod data of {head.path!r}, chunk {c}: checksum mismatch")
         chunks[c] = raw
-    return PodFile(head, chunks)
+    return chunks
 
 
 def records_of(data: bytes, chunk_size: int, codec: Codec,
@@ -258,6 +316,7 @@ class _Job:
     head: PodHead
     head_bytes: bytes
     records: list[bytes]
+    tag: int | None  # the caller's name for the file (`unpublished`)
 
 
 class Pod:
@@ -294,6 +353,11 @@ class Pod:
         self.counters = PodCounters()
         self.members: int | None = None
         self.queued_bytes = 0
+        # The last put (or, while away, a probe) reached the pod.
+        self.up = False
+        self._up, self._down = trio.Event(), trio.Event()
+        # Tags of files to publish when the pod is back (-> puts failed), oldest first.
+        self.unpublished: dict[int, int] = {}
         self._client: Any = None
         self._count_lock = threading.Lock()
         self._lookup_lane, self._fetch_lane, self._publish_lane = _Lane(), _Lane(), _Lane()
@@ -305,6 +369,11 @@ class Pod:
         self._send, self._recv = trio.open_memory_channel[_Job](float("inf"))
         self._head_buf = _Buffer(BATCH_MAX * HEAD_MAX)
         self._fetch_buf = _Buffer(max_object)
+        # Fetched files are decoded into this, the second half of their chunks in
+        # _decoder's thread.
+        self._land_buf = _Buffer(max_object)
+        self._landing = trio.Lock()
+        self._decoder = concurrent.futures.ThreadPoolExecutor(1, "pod-decode")
         self._publish_buf = _Buffer(max_object)
 
     # -- keys ---------------------------------------------------------------------------
@@ -333,13 +402,76 @@ class Pod:
             if client is None:
                 await trio.sleep(CONNECT_RETRY_S)
             self._client = client
+        self._set_up(True)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._count_members)
+            nursery.start_soon(self._probe)
             async for job in self._recv:
-                await trio.to_thread.run_sync(self._publish_lane.run, self._put, job,
-                                              limiter=self._publish_lane.limiter,
-                                              abandon_on_cancel=True)
+                ok = self.up and await trio.to_thread.run_sync(
+                    self._publish_lane.run, self._put, job, limiter=self._publish_lane.limiter,
+                    abandon_on_cancel=True)
                 self.queued_bytes -= sum(map(len, job.records))
+                if ok:
+                    self.unpublished.pop(job.tag, None)  # type: ignore[arg-type]
+                else:
+                    self._set_up(False)
+                    self.defer(job.tag, tried=True)
+
+    def _set_up(self, up: bool) -> None:
+        if up and not self.up:
+            self._up.set()
+            self._down = trio.Event()
+        elif not up and self.up:
+            self._down.set()
+            self._up = trio.Event()
+            log.warning("pod: publishing to %s failed; files closed meanwhile are published "
+                        "when it answers again", self.master)
+        self.up = up
+
+    async def wait_up(self) -> None:
+        """Return once the pod is up (at once if it is)."""
+        await self._up.wait()
+
+    async def wait_down(self) -> None:
+        """Return once the pod is away (at once if it is, after it was up)."""
+        await self._down.wait()
+
+    async def _probe(self) -> None:
+        """While the pod is away, ask it every PROBE_EVERY_S whether it is back."""
+        while True:
+            await self._down.wait()
+            await trio.sleep(PROBE_EVERY_S)
+            if await trio.to_thread.run_sync(
+                    self._publish_lane.run, self._takes_puts, limiter=self._publish_lane.limiter,
+                    abandon_on_cancel=True):
+                log.info("pod: %s takes puts again", self.master)
+                self._set_up(True)
+
+    def _takes_puts(self) -> bool:
+        """Worker thread: does the pod take a put (a master that answers, and memory in
+        it: a restarted master has none until the members' segments are mounted again)?"""
+        key = f"kvfs/{self.name}/probe/{self.member}"
+        self._client.remove(key, True)
+        if self._client.put_from(key, self._publish_buf.addr, 1, self.replicate) != 0:
+            return False
+        self._client.remove(key, True)
+        return True
+
+    def defer(self, tag: int | None, *, tried: bool = False) -> None:
+        """The file *tag* was not published (the pod is away): keep it for when it is
+        back (`unpublished`: the caller publishes them again after `wait_up`), unless it
+        was put (*tried*) PUT_ATTEMPTS times already."""
+        if tag is None:
+            self.counters.dropped += 1
+            return
+        attempts = self.unpublished.pop(tag, 0) + tried
+        if attempts >= PUT_ATTEMPTS:
+            self.counters.dropped += 1
+            return
+        self.unpublished[tag] = attempts
+        while len(self.unpublished) > UNPUBLISHED_MAX:
+            del self.unpublished[next(iter(self.unpublished))]
+            self.counters.dropped += 1
 
     def _connect(self) -> Any:
         """Worker thread: a Mooncake client set up and our buffers registered, or None."""
@@ -361,12 +493,36 @@ class Pod:
 
     async def close(self) -> None:
         """Leave the pod (after run() was cancelled): the client unmounts its segment."""
+        self._decoder.shutdown(wait=False)
         client, self._client = self._client, None
         if client is None:
             return
-        # Calls abandoned by their callers may still be running on the lanes: wait for them.
-        async with self._lookup_lane.limiter, self._fetch_lane.limiter:
-            await trio.to_thread.run_sync(client.close, limiter=self._publish_lane.limiter)
+        # Kept: Mooncake's destructor unmounts the segment again, holding the GIL for ~11 s
+        # when the master is away (the daemon ends with os._exit, which runs no destructor).
+        self._left_client = client
+        # Mooncake's close with a dead master retries its segment's unmount for ~11 s, and
+        # at times holds the GIL meanwhile: not tried then (the master lets go of this
+        # member after its client_ttl, as after a crash).
+        if not await trio.to_thread.run_sync(self._master_listens):
+            log.warning("pod: the master %s does not answer; leaving without telling it",
+                        self.master)
+            return
+        # Calls abandoned by their callers may still be running on the lanes: wait for them,
+        # and for the close, at most CLOSE_S.
+        with trio.move_on_after(CLOSE_S):
+            async with self._lookup_lane.limiter, self._fetch_lane.limiter:
+                await trio.to_thread.run_sync(client.close, limiter=self._publish_lane.limiter,
+                                              abandon_on_cancel=True)
+            return
+        log.warning("pod: leaving the pod at %s did not finish within %.1f s", self.master,
+                    CLOSE_S)
+
+    def _master_listens(self) -> bool:
+        try:
+            socket.create_connection((self.host, self.port), timeout=CLOSE_S / 4).close()
+        except OSError:
+            return False
+        return True
 
     async def _count_members(self) -> None:
         while True:
@@ -413,9 +569,11 @@ class Pod:
         return True
 
     def publish(self, path: str, records: Sequence[tuple[int, bytes]], *, version: int,
-                mode: int, size: int, mtime_ns: int, chunk_size: int) -> bool:
+                mode: int, size: int, mtime_ns: int, chunk_size: int,
+                tag: int | None = None) -> bool:
         """Queue a complete file for the pod: its records (chunk number, header + payload)
-        in chunk order. Never waits: False (and counted) if it was dropped instead."""
+        in chunk order. Never waits: False (and counted) if it was dropped instead. A file
+        whose put fails is kept (`defer`) under *tag*, if given."""
         entries, off = [], 0
         for c, rec in records:
             entries.append((c, off, len(rec)))
@@ -428,10 +586,10 @@ class Pod:
             self.counters.dropped += 1
             return False
         self.queued_bytes += off
-        self._send.send_nowait(_Job(head, head_bytes, [rec for _, rec in records]))
+        self._send.send_nowait(_Job(head, head_bytes, [rec for _, rec in records], tag))
         return True
 
-    def _put(self, job: _Job) -> None:
+    def _put(self, job: _Job) -> bool:
         """Worker thread: the data object, then the head that names it (replacing the
         previous version's: Mooncake keeps a key's first value, so it is removed first)."""
         mem, off = self._publish_buf.mem, 0
@@ -450,9 +608,10 @@ class Pod:
         if rc != 0:
             self._count("errors")
             log.debug("pod: publishing %r failed (Mooncake returned %d)", job.head.path, rc)
-            return
+            return False
         self._count("published_files")
         self._count("published_bytes", off)
+        return True
 
     # -- lookups ------------------------------------------------------------------------
 
@@ -550,13 +709,19 @@ class Pod:
 
     # -- fetches ------------------------------------------------------------------------
 
-    async def fetch(self, head: PodHead) -> PodFile | None:
+    @contextlib.asynccontextmanager
+    async def fetched(self, head: PodHead) -> AsyncIterator[PodFile | None]:
         """The file *head* names, every record checked, or None (a miss: gone, damaged,
-        too slow, no pod)."""
+        too slow, no pod). Its chunks are views of a buffer the next fetch reuses: valid
+        inside the `async with` only (fetches take turns)."""
+        async with self._landing:
+            yield await self._fetch(head)
+
+    async def _fetch(self, head: PodHead) -> PodFile | None:
         if self._client is None or head.data_len > self.max_object:
             return None
         if not head.entries:
-            return PodFile(head, {})
+            return PodFile(head, {}, memoryview(b""))
         timeout = self.timeout + head.data_len / FETCH_FLOOR_BPS
         got = await self._call(self._fetch_lane, timeout, self._get_data, head)
         if got is None:
@@ -564,16 +729,19 @@ class Pod:
         return got
 
     def _get_data(self, head: PodHead) -> PodFile | None:
-        """Worker thread: get_into our buffer, copy out, check and decode."""
+        """Worker thread: get_into our buffer, then check and decode from there into the
+        landing buffer, in two threads."""
         n = head.data_len
         rc = self._client.get_into(self.data_key(head), self._fetch_buf.addr, n)
         if rc != n:
             if rc != OBJECT_NOT_FOUND:
                 self._count("errors")
             return None
-        data = self._fetch_buf.mem[:n]
+        if head.size > self._land_buf.size:  # (another member's file, over our max_object)
+            self._land_buf = _Buffer(head.size)
         try:
-            got = decode_data(head, data, self.codec)
+            got = decode_data(head, memoryview(self._fetch_buf.mem)[:n], self.codec,
+                              memoryview(self._land_buf.mem), self._decoder)
         except PodObjectError as e:
             self._count("damaged")
             log.warning("pod: %s", e)
@@ -597,5 +765,6 @@ class Pod:
                 "published_files": c.published_files, "published_bytes": c.published_bytes,
                 "fetched_bytes": c.fetched_bytes, "errors": c.errors, "timeouts": c.timeouts,
                 "damaged": c.damaged, "dropped": c.dropped, "queued_bytes": self.queued_bytes,
+                "up": self.up, "unpublished": len(self.unpublished),
                 "lookup_p50_us": pct(0.50), "lookup_p99_us": pct(0.99)}
 

@@ -45,11 +45,14 @@ class Room:
         """Record bytes the files may hold: what the NVMe tier's segments hold (as many as
         nvme_size allows, or fewer while the filesystem below has no room for them: it may
         be shared, or smaller), less the room kept free so that cleaning always has
-        somewhere to copy to (its reserved segments and 5%)."""
+        somewhere to copy to (its reserved segments and 5%), and less one segment per
+        stream: each stream holds an open segment that its records alone fill, however
+        little of it they use, and whose dead records wait for it to fill up before they
+        can be reclaimed. None at all on a tier of too few segments for that."""
         nvme = self.nvme
         per_segment = nvme.usable(self.cs)
         tier = nvme.max_segments * per_segment
-        return tier - nvme.gc_reserved * per_segment - tier // 20
+        return max(0, tier - (nvme.gc_reserved + nvme.open_streams) * per_segment - tier // 20)
 
     @property
     def used(self) -> int:

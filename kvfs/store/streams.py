@@ -33,7 +33,10 @@ Which class a file's records get, first match wins:
    longer or more, `long`; between, `medium`; one of mixed lifetimes is `medium`. So a
    request window of 5% or of 70% of the tier is `short` beside prefixes that live for
    tiers, and the prefixes are `long` as soon as they have outlived a few windows. The
-   nearest ancestor directory (parent first, root last) with MIN_SAMPLES observations decides.
+   nearest ancestor directory (parent first, root last) with MIN_SAMPLES observations
+   decides, unless the file's own directory has MIN_SAMPLES files being watched: that one is
+   learned on its own (the root, which learned from the requests first, would otherwise
+   put the prefixes written meanwhile in `short` with them).
 3. Otherwise (no directory of the chain decided yet) `medium` or `long`: undecided
    directories take them in turn, in the order they first write to NVMe, so that two
    directories are not mixed while their lifetimes are being learned.
@@ -130,9 +133,15 @@ class StreamTable:
     def separates_user_data(self) -> bool:
         return len({self.route[c] for c in USER_CLASSES}) > 1
 
-    def gc_destination(self, victim_stream: int) -> int:
-        """Where the cleaner copies a live record found in a segment of *victim_stream*:
-        relocated data is cold; data relocated twice is colder still (if there is a stream)."""
+    def gc_destination(self, victim_stream: int, cls: str | None = None) -> int:
+        """Where the cleaner copies a live record found in a segment of *victim_stream*,
+        of a file of class *cls* now (None: not known): relocated data is cold; data
+        relocated twice is colder still (if there is a stream). But a record of the `short`
+        class goes back to the short stream, where user data has its own: it dies soon,
+        in write order with the requests written now, and among the survivors it would
+        leave holes that the cleaner would copy around again."""
+        if cls == "short" and self.separates_user_data:
+            return self.route["short"]
         if victim_stream in (self.route["gc"], self.route["cold"]):
             return self.route["cold"]
         return self.route["gc"]
@@ -239,6 +248,7 @@ class LifetimeClassifier:
         self.clock = clock
         self.long_horizon = max(1, int(LONG_HORIZON * tier_bytes))
         self._watch: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()
+        self._pending: dict[int, int] = {}  # directory -> its files being watched
         self._dirs: OrderedDict[int, _DirStats] = OrderedDict()
         self._bad_values: set[bytes] = set()
         self._unknown: OrderedDict[int, int] = OrderedDict()  # directory -> _unknown_class slot
@@ -260,6 +270,7 @@ class LifetimeClassifier:
         self._expire()
         entry = self._watch.pop(ino, None)
         if entry is not None:
+            self._unwatched(entry[1])
             self._outcome(entry[1], self.clock() - entry[0])
 
     # -- classification ------------------------------------------------------------------
@@ -268,22 +279,42 @@ class LifetimeClassifier:
         chain = self._chain(ino)
         if ino not in self._watch:
             if len(self._watch) >= MAX_TRACKED:
-                self._watch.popitem(last=False)  # forget the oldest without an outcome
+                # forget the oldest without an outcome
+                self._unwatched(self._watch.popitem(last=False)[1][1])
             self._watch[ino] = (self.clock(), chain)
+            if chain:
+                self._pending[chain[0]] = self._pending.get(chain[0], 0) + 1
         if not self.table.separates_user_data:
             return "medium"  # one user stream: nothing to decide
+        known = self._known_class(ino, chain)
+        if known is not None:
+            self.decisions[known[1]] += 1
+            return known[0]
+        self.decisions["default"] += 1
+        return self._unknown_class(chain[0] if chain else ino)
+
+    def known_class(self, ino: int) -> str | None:
+        """The class a hint or what was learned gives *ino* now (None: neither decides),
+        without watching it or counting a decision: for the cleaner's copies."""
+        known = self._known_class(ino, self._chain(ino))
+        return None if known is None else known[0]
+
+    def _known_class(self, ino: int, chain: tuple[int, ...]) -> tuple[str, str] | None:
+        """(class, "hint" or "learned"), or None if neither decides."""
         hinted = self._hint(ino, chain)
         if hinted is not None and hinted != "auto":
-            self.decisions["hint"] += 1
-            return hinted
+            return hinted, "hint"
         for d in chain:
             st = self._dirs.get(d)
             verdict = self._verdict(st) if st is not None else None
             if verdict is not None:
-                self.decisions["learned"] += 1
-                return verdict
-        self.decisions["default"] += 1
-        return self._unknown_class(chain[0] if chain else ino)
+                return verdict, "learned"
+            if d == chain[0] and self._pending.get(d, 0) >= MIN_SAMPLES:
+                # Its own files are being learned: an ancestor's verdict speaks for a new
+                # directory of a few files (a request's), not for one of its own kind
+                # (the root learned from the requests would put the prefixes with them).
+                return None
+        return None
 
     def _unknown_class(self, d: int) -> str:
         """Directories not decided yet take `medium` and `long` in turn, in the order their
@@ -347,8 +378,15 @@ class LifetimeClassifier:
             if t > cutoff:
                 break
             del watch[ino]
+            self._unwatched(chain)
             # it lived at least the horizon: how much longer is not known (nor waited for)
             self._outcome(chain, None)
+
+    def _unwatched(self, chain: tuple[int, ...]) -> None:
+        if chain:
+            n = self._pending.pop(chain[0]) - 1
+            if n:
+                self._pending[chain[0]] = n
 
     def _outcome(self, chain: tuple[int, ...], lifetime: int | None) -> None:
         """A watched file died after *lifetime* bytes, or (None) outlived the horizon."""

@@ -69,6 +69,7 @@ class _Job:
     csum: int = 0
     used: int = 0  # the codec this chunk was stored with (raw when it did not compress)
     payload: bytes | memoryview = b""
+    info: bytes = b""  # the file's description (kvfs/store/fileinfo.py), after the payload
     full: bool = False
     rec_len: int = 0
     seg: object = None
@@ -154,6 +155,9 @@ class WriteBack:
             jobs.append(job)
         if not jobs:
             return done
+        infos = {ino: self.store.events.file_info(ino) for ino in {job.ino for job in jobs}}
+        for job in jobs:
+            job.info = infos[job.ino]
         try:
             done = await self._writeback_jobs(jobs, choosing, done, drop=drop, pack=pack)
         except NoSpace:
@@ -203,7 +207,7 @@ class WriteBack:
                     self.store.counters.checksum_errors += 1
                     done[job.i] = False
                     continue
-                job.rec_len = record_length(len(job.payload))
+                job.rec_len = record_length(len(job.payload), len(job.info))
                 job.seg, job.off = await self._reserve(job.stream, job.rec_len)
                 job.stream = job.seg.stream  # (another's, when the tier is nearly full)
                 todo.append(job)
@@ -310,7 +314,8 @@ class WriteBack:
     def _write_run(self, run: list[_Job]) -> None:
         self.store.nvme.write_records(run[0].seg, run[0].off, [
             (RecordHeader(job.used, job.stream, job.ino, job.c, job.loc.seq, job.loc.raw_len,
-                          len(job.payload), job.csum), job.payload) for job in run])
+                          len(job.payload), job.csum, len(job.info)), job.payload, job.info)
+            for job in run])
 
     async def _reserve(self, stream: int, rec_len: int):
         """Space for one record; cleans segments if none is free."""

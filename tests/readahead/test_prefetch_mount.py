@@ -240,7 +240,8 @@ def test_an_open_during_a_prefetch_waits_for_its_staging_not_for_the_daemon(
     the parked open to the daemon, which answers it around the change: the reader gets one
     whole version, or the new one as far as it is written."""
     slow = tmp_path / "slow"
-    m = mount_factory(fetch_delay=f"0.5:{slow}")
+    # (long enough that the reader's open meets the staging even on a loaded machine)
+    m = mount_factory(fetch_delay=f"1.0:{slow}")
     lead_in(m, "k")
     names = ["k0", "k1"]
     for i, name in enumerate(names):
@@ -273,7 +274,10 @@ def test_an_open_during_a_prefetch_waits_for_its_staging_not_for_the_daemon(
     got = {}
     t = threading.Thread(target=timed_read, args=("k1", got))
     t.start()
-    time.sleep(0.1)  # the reader's open is parked
+    deadline = time.monotonic() + 10
+    while parked() < before + 2:  # the reader's open is parked
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     new = block("N", 1)
     write(m, "k1", new)  # O_TRUNC: revokes k1, handing the parked open to the daemon
     t.join()

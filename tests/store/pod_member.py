@@ -51,7 +51,8 @@ async def handle(pod: Pod, cmd: dict) -> dict:
             c, rec = records[-1]
             records[-1] = (c, rec[:-1] + bytes([rec[-1] ^ 0x40]))
         def handled() -> int:
-            return pod.counters.published_files + pod.counters.errors
+            # (dropped: not tried while the pod is away)
+            return pod.counters.published_files + pod.counters.errors + pod.counters.dropped
 
         before = handled()
         queued = pod.publish(cmd["path"], records, version=cmd["version"], mode=0o100644,
@@ -62,11 +63,13 @@ async def handle(pod: Pod, cmd: dict) -> dict:
     if cmd["op"] == "read":
         t0 = time.monotonic()
         head = await pod.lookup(cmd["path"])
-        got = await pod.fetch(head) if head is not None else None
-        seconds = time.monotonic() - t0
-        if got is not None:
-            with open(cmd["dst"], "wb") as f:
-                f.write(got.data())
+        if head is None:
+            return {"hit": False, "seconds": time.monotonic() - t0}
+        async with pod.fetched(head) as got:
+            seconds = time.monotonic() - t0
+            if got is not None:
+                with open(cmd["dst"], "wb") as f:
+                    f.write(got.data())
         return {"hit": got is not None, "seconds": seconds}
     if cmd["op"] == "status":
         return {"status": pod.status()}

@@ -255,9 +255,20 @@ def test_cleaning_leaves_a_segment_it_cannot_empty(mount_factory):
     for name in files:  # all but the one whose record is damaged
         if records.get((os.stat(m.path / name).st_ino, 0)) != off:
             os.unlink(m.path / name)
-    _fill(m, "keep", 78, 4 * CHUNK)  # the tier nearly full: cleaning is urgent
+    sv = os.statvfs(m.path)
+    n = sv.f_bavail * sv.f_frsize // (4 * (CHUNK + 4096)) - 1
+    _fill(m, "keep", n, 4 * CHUNK)  # the tier nearly full
+    for i in range(1, n, 2):  # and every other one replaced: cleaning is needed
+        if "could not be moved" in m.log():
+            break
+        os.unlink(m.path / f"keep{i}")
+        (m.path / f"new{i}").write_bytes(os.urandom(4 * CHUNK))
     _wait(lambda: "could not be moved" in m.log())
-    passes = sum(m.status()["gc"]["passes"].values())
+    passes = -1
+    for _ in range(20):  # until it has cleaned what else the writes left (a few passes)
+        if passes == (passes := sum(m.status()["gc"]["passes"].values())):
+            break
+        time.sleep(0.3)
     time.sleep(1)
     assert sum(m.status()["gc"]["passes"].values()) <= passes + 1
     assert m.log().count(f"cleaning segment {seg}: ") == 1

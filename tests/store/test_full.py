@@ -85,7 +85,7 @@ def test_a_full_nvme_filesystem_is_enospc_not_a_hang(mount_factory, tmp_path):
     of times and its memory grew. Now: ENOSPC at write() or fsync(), each within seconds,
     the log says it once, memory stays flat, what was fsynced reads back, and removing
     files makes room again."""
-    with small_ext4(tmp_path / "nvmefs", 96 * MiB) as fs:
+    with small_ext4(tmp_path / "nvmefs", 128 * MiB) as fs:
         m = mount_factory(start=False, dram_size="8M", nvme_size="1G", chunk_size="256K",
                           segment_size="2M")
         m.nvme_dir = fs / "kv"
@@ -132,7 +132,7 @@ def test_an_unmount_that_cannot_write_back_says_so_and_keeps_the_data(mount_fact
     unmount exits 1 with a message naming where the data is, and the next mount of the same
     directories (with room again) writes it back. Before 2026-12-07 it reported success
     and the data was left only in DRAM, lost at the next reboot."""
-    with small_ext4(tmp_path / "nvmefs", 64 * MiB) as fs:
+    with small_ext4(tmp_path / "nvmefs", 80 * MiB) as fs:
         m = mount_factory(start=False, dram_size="16M", nvme_size="1G", chunk_size="256K",
                           segment_size="2M")
         m.nvme_dir = fs / "kv"

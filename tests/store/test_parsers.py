@@ -30,6 +30,7 @@ from kvfs.config import Settings
 from kvfs.namespace import _INODE, parse_inode
 from kvfs.store.codec import CODEC_NAMES, Codec, CodecError, CodecPolicy
 from kvfs.store.dram import remove_dram_dir
+from kvfs.store.fileinfo import MAX_INFO
 from kvfs.store.location import LOC, Loc, parse_loc
 from kvfs.store.meta import TABLES, FormatError, MetaStore
 from kvfs.store.nvme import (
@@ -58,10 +59,12 @@ def _checked(body: bytes) -> bytes:
 
 
 headers = st.builds(
-    lambda version, codec, stream, ino, chunk, seq, raw, stored, csum: _checked(
-        HEADER.pack(RECORD_MAGIC, version, codec, stream, ino, chunk, seq, raw, stored, csum)),
-    st.sampled_from([1, 1, 1, 0, 2, 0xFFFF]), st.integers(0, 255), st.integers(0, 255), U64,
-    U64, U64, U32, st.one_of(st.integers(0, 3 * BLOCK), U32), U64)
+    lambda version, codec, stream, ino, chunk, seq, raw, stored, csum, info: _checked(
+        HEADER.pack(RECORD_MAGIC, version, codec, stream, ino, chunk, seq, raw, stored, csum,
+                    info)),
+    st.sampled_from([1, 1, 1, 0, 2, 2, 3, 0xFFFF]), st.integers(0, 255), st.integers(0, 255),
+    U64, U64, U64, U32, st.one_of(st.integers(0, 3 * BLOCK), U32), U64,
+    st.one_of(st.just(0), st.integers(0, 2 * BLOCK), U32))
 
 
 # -- NVMe records and segments ---------------------------------------------------------------
@@ -213,7 +216,9 @@ def test_chunk_location_parser(raw):
         return
     assert isinstance(loc, Loc) and loc.raw_len <= CHUNK and loc.dram_slot >= -1
     if loc.seg:
-        assert loc.rec_len == record_length(loc.stored_len) and loc.off % BLOCK == 0
+        # (a version 2 record may carry up to MAX_INFO bytes of its file's description)
+        assert record_length(loc.stored_len) <= loc.rec_len <= record_length(
+            loc.stored_len, MAX_INFO) and loc.rec_len % BLOCK == 0 and loc.off % BLOCK == 0
 
 
 @FUZZ

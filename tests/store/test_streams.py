@@ -43,6 +43,12 @@ def test_stream_tables():
     assert four.gc_destination(0) == four.gc_destination(2) == four.gc_destination(1) == 1
     five = StreamTable.make(5)
     assert five.gc_destination(0) == 1 and five.gc_destination(1) == 4  # relocated twice: cold
+    # a record of the short class goes back where short user data goes, with 3+ streams
+    for table in (three, four, five):
+        for victim in range(table.count):
+            assert table.gc_destination(victim, "short") == table.route["short"]
+        assert table.gc_destination(0, "long") == table.gc_destination(0)
+    assert one.gc_destination(0, "short") == 0 and two.gc_destination(0, "short") == 1
     assert five.name(7) == "stream7"
     for bad in (0, 6):
         with pytest.raises(ValueError):
@@ -182,6 +188,22 @@ def test_request_window_is_short_beside_prefixes_whatever_its_size(window_share)
     assert c.stream_of(ns.add(ino + 3, 2)) != c.stream_of(ns.add(ino + 4, 3))
 
 
+def test_a_directory_being_learned_is_not_decided_by_its_ancestors():
+    """Requests in /req learned `short` (and the root with them); then prefixes in /prefix
+    that have not outlived anything yet: they are not `short` by the root's verdict (they
+    were, until they outlived the horizon: FIFO segments that never emptied). A new
+    directory of a few files under /req still takes /req's verdict."""
+    ns, clock, c = _classifier()
+    ino = _fifo(ns, clock, c, 1000, window=25, steps=25 + 4 * MIN_SAMPLES, prefixes=0)
+    assert c.classify(ns.add(ino := ino + 1, 2)) == "short"
+    got = [c.classify(ns.add(ino := ino + 1, 3)) for _ in range(2 * MIN_SAMPLES)]
+    assert got[:MIN_SAMPLES - 1] == ["short"] * (MIN_SAMPLES - 1)  # few: the root's
+    assert "short" not in got[MIN_SAMPLES:]
+    assert c.known_class(ino) is None
+    ns.parent[6] = 2
+    assert c.classify(ns.add(ino + 1, 6)) == "short"
+
+
 def test_undecided_directories_are_kept_apart():
     """Issue 37: before anything is known, the records of two directories go to different
     streams (they were all `medium`, so requests and prefixes shared segments until the
@@ -202,6 +224,20 @@ def test_hints_win_over_what_was_learned():
     ns.xattrs[(3, LIFETIME_XATTR)] = b"short"
     assert c.classify(ns.add(ino + 2, 2)) == "long"
     assert c.classify(ns.add(ino + 3, 3)) == "short"
+
+
+def test_known_class_for_the_cleaners_copies_decides_nothing():
+    """What the cleaner asks about a file it copies: a hint or a verdict, else None (not
+    the turn-taking default); the file is not watched again (its lifetime would be
+    measured from the copy) and no decision is counted."""
+    ns, clock, c = _classifier()
+    assert c.known_class(ns.add(10, 4)) is None  # nothing known yet
+    ino = _fifo(ns, clock, c, 1000, window=5, steps=20 * MIN_SAMPLES, prefixes=2 * MIN_SAMPLES)
+    watched, decisions = len(c._watch), dict(c.decisions)
+    assert c.known_class(ns.add(ino + 1, 2)) == "short"
+    ns.xattrs[(4, LIFETIME_XATTR)] = b"long"
+    assert c.known_class(10) == "long"
+    assert len(c._watch) == watched and c.decisions == decisions
 
 
 def test_one_user_stream_does_not_classify():
