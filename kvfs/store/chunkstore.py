@@ -392,7 +392,8 @@ class ChunkStore:
                             "write_opens": k.kernel_write_opens,
                             "adopted_files": k.kernel_write_adoptions,
                             "written_chunks": k.streamed_chunks,
-                            "writing_files": len(self.kernel_written)},
+                            "writing_files": len(self.kernel_written),
+                            "unseen_sums": k.unseen_sums},
             # files whose codec was chosen by trial vs taken from their directory (choices.py)
             "codec_choices": {"full": self.choices.full, "taken": self.choices.taken},
             "prefetch": {"issued_chunks": k.prefetch_issued, "used_chunks": k.prefetch_used,
