@@ -512,10 +512,13 @@ class Operations(pyfuse3.Operations):
             sized = self.pt.sized(node)
             await self.store.truncate(inode, node.size, 0, on_commit=lambda: sized(0, False))
             self.faults.reached("truncated")
+        reader = flags & os.O_ACCMODE != os.O_WRONLY
+        if reader and flags & os.O_DIRECT:
+            self.store.read_direct(inode)  # read through, not staged (before any prediction)
         # Readahead hears of the open first: its predictions of what comes next start now,
         # not after this file's own staging from NVMe.
         self.readahead.opened(inode, flags, node.size, ctx.pid)
-        if flags & os.O_ACCMODE != os.O_WRONLY and self.store.reads_through(inode, node.size):
+        if reader and self.store.reads_through(inode, node.size):
             self.store.start_read_through(inode, node.size)  # its first chunks, from NVMe
         mode = await self.pt.mode(node, flags)
         if mode is not None and not mode[1] and not mode[2]:

@@ -1767,3 +1767,22 @@ def test_random_operations_survive_crashes(kv):
         _same_files(ref, kv.path)
     finally:
         shutil.rmtree(ref, ignore_errors=True)
+
+
+def test_an_unlinked_small_file_frees_its_dram_file_at_once(kv):
+    """A small file's DRAM file is unlinked on the spot, not renamed into the trash for a
+    worker (the rename waits for the worker's unlinks there: ~40 us of every unlink of a
+    small file in a storm); a big one still goes to the worker."""
+    small, big = kv.path / "small", kv.path / "big"
+    small.write_bytes(os.urandom(4096))  # (FREE_AT_ONCE: 64 KiB)
+    big.write_bytes(os.urandom(1 << 20))
+    ino = os.stat(small).st_ino
+    freed = kv.status()["tiers"]["dram"]["files_freed_at_once"]
+    small.unlink()
+    big.unlink()
+    deadline = time.monotonic() + 10  # the inode goes at the kernel's FORGET
+    while (kv.status()["tiers"]["dram"]["files_freed_at_once"] == freed
+           and time.monotonic() < deadline):
+        time.sleep(0.01)
+    assert kv.status()["tiers"]["dram"]["files_freed_at_once"] == freed + 1
+    assert not (kv.dram_dir / "files" / f"{ino:x}").exists()

@@ -128,7 +128,8 @@ class ChunkStore:
         t = self.through
         self.reads_through, self.start_read_through, self.buffer_predicted = (
             t.reads, t.start, t.predicted)
-        self.front_read, self.end_read_through = t.front_read, t.end
+        self.front_read, self.end_read_through, self.read_direct = (
+            t.front_read, t.end, t.read_direct)
         # Dirty chunks written back to NVMe (demotion, age, fsync, unmount).
         self.wb = WriteBack(self, chunk_size=chunk_size, nvme_dir=nvme_dir)
         w = self.wb
@@ -357,7 +358,8 @@ class ChunkStore:
                          "logical_bytes": m.dram_logical, "chunks": m.dram_chunks,
                          "dirty_bytes": m.unbacked, "packed_chunks": m.dram_packed,
                          "promised_bytes": self.kernel.promised,
-                         "files": len(self.dram.claims), "passthrough_files": len(self.dram.pins)},
+                         "files": len(self.dram.claims), "passthrough_files": len(self.dram.pins),
+                         "files_freed_at_once": self.dram.freed_at_once},
                 "nvme": {"capacity_bytes": self.nvme.capacity, "used_bytes": m.nvme_live,
                          "logical_bytes": m.nvme_logical, "chunks": m.nvme_chunks,
                          "segments": len(self.nvme.segments),
@@ -391,7 +393,8 @@ class ChunkStore:
                             "write_opens": k.kernel_write_opens,
                             "adopted_files": k.kernel_write_adoptions,
                             "written_chunks": k.streamed_chunks,
-                            "writing_files": len(self.kernel_written)},
+                            "writing_files": len(self.kernel_written),
+                            "unseen_sums": k.unseen_sums},
             # files whose codec was chosen by trial vs taken from their directory (choices.py)
             "codec_choices": {"full": self.choices.full, "taken": self.choices.taken},
             "prefetch": {"issued_chunks": k.prefetch_issued, "used_chunks": k.prefetch_used,

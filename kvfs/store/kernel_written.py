@@ -203,10 +203,10 @@ class KernelWritten:
         """May one more new file, expected to reach *expected* bytes, be written by the
         kernel without us (`start`)? Not with dram_compress: the copies of such a
         file stay raw until it is closed, and packing is what that option is for."""
-        room = min(self.dram.capacity - self.store.dram_load,
-                   self.store.capacity - self.store.used - self.promised)
+        need = pages(expected) / KERNEL_WRITTEN_ROOM_SHARE  # of the DRAM tier's and the store's
         return (not self.store.dram_compress and len(self.files) < KERNEL_WRITTEN_MAX
-                and pages(expected) <= KERNEL_WRITTEN_ROOM_SHARE * room)
+                and self.store.dram_load + need <= self.dram.capacity
+                and self.store.room.fits(self.promised + need))
 
     def start(self, ino: int, expected: int) -> int:
         """The kernel will write the (empty) file *ino*, expected to reach *expected* bytes,

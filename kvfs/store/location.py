@@ -133,6 +133,7 @@ class Counters:
     kernel_write_opens: int = 0  # new files the kernel wrote straight into their DRAM file
     kernel_write_adoptions: int = 0  # files in passthrough mode it went on to write
     streamed_chunks: int = 0  # ... chunks taken from them (at close or fsync)
+    unseen_sums: int = 0  # ... the RAM they hold summed file by file (Room.fits)
     unpacked: int = 0  # DRAM hits that decoded a packed copy
     through_buffered: int = 0  # NVMe chunks read ahead of a read-through reader (into memory)
     through_buffer_used: int = 0  # ... and then read by it (in chunks_from_nvme)

@@ -5,6 +5,7 @@ for the demoter to make some (`wait_dram`), and a promotion takes only what is f
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import trio
@@ -56,14 +57,37 @@ class Room:
 
     @property
     def used(self) -> int:
-        return self.chunks.nvme_live + self.chunks.unbacked + self.chunks.reserved + (
-            self.store.kernel.unseen_bytes() if self.store.kernel.files else 0)
+        return self._counted + (self.store.kernel.unseen_bytes() if self.store.kernel.files
+                                else 0)
+
+    @property
+    def _counted(self) -> int:
+        """`used` less what files the kernel is writing hold unseen."""
+        return self.chunks.nvme_live + self.chunks.unbacked + self.chunks.reserved
+
+    def fits(self, need: int) -> bool:
+        """used + *need* <= capacity? The exact `used` fstats every file the kernel is
+        writing (tens of microseconds each, at every create and write); first a bound of
+        what they hold unseen: at most all the RAM their tmpfs holds (one statvfs). Only
+        when that bound leaves too little room is the exact sum taken, so the answer is
+        always the exact one."""
+        room = self.capacity - need - self._counted
+        if room < 0:
+            return False
+        if not self.store.kernel.files:
+            return True
+        st = os.statvfs(self.dram.files_dir)
+        # f_blocks 0: a tmpfs of no size limit, which reports no usage either
+        if st.f_blocks and (st.f_blocks - st.f_bfree) * st.f_frsize <= room:
+            return True
+        self.store.counters.unseen_sums += 1
+        return self.store.kernel.unseen_bytes() <= room
 
     def check_capacity(self, growth: int, ino: int) -> None:
         if growth > 0 and ino in self.chunks.allocated:
             # fallocate()d room is already counted
             growth -= min(growth, self.chunks.reservation(ino))
-        if growth > 0 and (self.meta.room_low or self.used + growth > self.capacity):
+        if growth > 0 and (self.meta.room_low or not self.fits(growth)):
             raise NoSpace()
 
     def check_room(self) -> None:
@@ -91,7 +115,7 @@ class Room:
         if not missing:
             return
         missing = pages(missing)
-        if self.used + missing > self.capacity:
+        if not self.fits(missing):
             raise NoSpace()
         self.chunks.set_allocated(ino, max(self.chunks.allocated.get(ino, 0),
                                            self.chunks.file_bytes.get(ino, 0)) + missing,

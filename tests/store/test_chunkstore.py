@@ -159,6 +159,33 @@ def test_small_reads_of_a_read_ahead_chunk_reach_the_trio_thread_only_where_they
         st["requests_from_nvme"] - before["requests_from_nvme"])
 
 
+def test_an_o_direct_reader_of_a_small_nvme_resident_file_reads_it_through_not_staged(
+        mount_factory):
+    """A file below read_through_min that is only on NVMe is staged into DRAM for a
+    buffered reader, but read through the daemon for an O_DIRECT one (it keeps its own
+    cache): right bytes, aligned O_DIRECT rules kept, nothing brought into DRAM."""
+    m = mount_factory(prefetch="off")
+    direct, buffered = os.urandom(4 * CHUNK), os.urandom(4 * CHUNK)
+    (m.path / "direct").write_bytes(direct)
+    (m.path / "buffered").write_bytes(buffered)
+    m.unmount()
+    m.lose_dram()  # every chunk on NVMe only
+    m.start()
+    fd = os.open(m.path / "direct", os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, len(direct))
+        assert os.preadv(fd, [buf], 0) == len(direct)
+        assert buf[:] == direct
+        with pytest.raises(OSError) as exc:
+            os.preadv(fd, [buf], 100)  # unaligned: as ext4 says
+        assert exc.value.errno == errno.EINVAL
+    finally:
+        os.close(fd)
+    assert m.tiers("direct") == {"nvme"}
+    assert (m.path / "buffered").read_bytes() == buffered
+    assert m.tiers("buffered") == {"dram", "nvme"}  # staged for the kernel to read
+
+
 def test_big_files_are_read_through_with_read_ahead(mount_factory):
     """A file of at least read_through_min is read from NVMe through the daemon, chunks
     read ahead of a sequential reader into memory: right bytes, nothing staged or promoted,

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from kvfs.store.dram import DramFiles
+from kvfs.store.dram import FREE_AT_ONCE, DramFiles
 
 CS = 64 << 10
 
@@ -57,14 +57,31 @@ def test_a_released_region_is_punched_after_settle(dram):
 def test_a_file_with_nothing_left_goes_to_a_worker(dram):
     queued = []
     dram.on_disposal_queued = lambda: queued.append(1)
-    put(dram, 7, 0, 1)
-    dram.release(7, 0, CS)
+    chunks = range(FREE_AT_ONCE // CS + 1)  # too big to free on the spot
+    for c in chunks:
+        put(dram, 7, c, 1)
+    for c in chunks:
+        dram.release(7, c, CS)
     dram.settle()
     assert not os.path.exists(dram.path(7)) and queued
     batch = dram.take_disposals()
     assert len(batch) == 1 and os.path.exists(batch[0][0])  # renamed into the trash
     dram.dispose_many(batch)
     assert os.listdir(dram.trash_dir) == []
+    put(dram, 7, 0, 9)  # the inode gets a new, empty file
+    with open(dram.path(7), "rb") as f:
+        assert f.read() == bytes([9]) * CS
+
+
+def test_a_small_file_with_nothing_left_is_removed_at_once(dram):
+    """No rename into the trash for a worker: that waits for the worker's unlinks there."""
+    queued = []
+    dram.on_disposal_queued = lambda: queued.append(1)
+    put(dram, 7, 0, 1)
+    dram.release(7, 0, CS)
+    dram.settle()
+    assert not os.path.exists(dram.path(7)) and not queued
+    assert os.listdir(dram.trash_dir) == [] and dram.freed_at_once == 1
     put(dram, 7, 0, 9)  # the inode gets a new, empty file
     with open(dram.path(7), "rb") as f:
         assert f.read() == bytes([9]) * CS

@@ -222,3 +222,42 @@ def test_full_metadata_is_enospc_and_deletions_still_work(mount_factory):
     assert (m.path / "g").read_bytes() == b"y"
     m.unmount()
     assert m.fsck().returncode == 0
+
+
+def _passthrough(m) -> dict:
+    return m.status()["passthrough"]
+
+
+def test_what_files_the_kernel_writes_hold_counts_against_the_room(mount_factory):
+    """The kernel writes a streamed file without telling kvfs, so the room such files hold
+    is read from tmpfs. Far from full, a write is let through on a bound from one statvfs
+    of the DRAM tier's tmpfs (no sum file by file: that cost ~125 us at every create and
+    write); near full, the exact sum decides, so a write never takes room they hold."""
+    m = mount_factory(dram_size="8M", nvme_size="24M", chunk_size="64K", segment_size="1M",
+                      dram_huge="1")
+    d = m.path / "blocks"
+    d.mkdir()
+    (d / "first").write_bytes(os.urandom(256 << 10))  # later write-only opens stream
+    st = os.statvfs(m.path)
+    free_before = st.f_bavail * st.f_frsize
+    streamed = os.open(d / "w", os.O_CREAT | os.O_WRONLY, 0o644)
+    other = os.open(m.path / "g", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        assert _passthrough(m)["writing_files"] == 1
+        unseen = os.urandom(2 * MiB)
+        os.write(streamed, unseen)
+        piece = os.urandom(64 << 10)
+        os.write(other, piece)  # far from full: the bound says yes
+        assert _passthrough(m)["unseen_sums"] == 0
+        written = len(piece)
+        with pytest.raises(OSError) as exc:
+            while written < free_before + 4 * MiB:
+                written += os.write(other, piece)
+        assert exc.value.errno == errno.ENOSPC
+        assert written <= free_before - len(unseen) + len(piece), (written, free_before)
+        assert _passthrough(m)["unseen_sums"] > 0
+    finally:
+        os.close(streamed)
+        os.close(other)
+    assert (d / "w").read_bytes() == unseen
+    assert (m.path / "g").read_bytes() == piece * (written // len(piece))
