@@ -50,10 +50,6 @@ DEPTH_MAX = 64
 # failed otherwise, gone or too slow or a dead member's, for the pod's miss_ttl); at most
 # FAILED_MAX of them: lookups do not bring back at once what the open could not give.
 DAMAGED_TTL_S = 10.0
-# Fetched files at least this big go into the store in one copy and one commit (`_land`);
-# smaller ones chunk by chunk, each whole chunk sealed as it is written (then the close's
-# seal has nothing left to hash: faster for a few chunks, 4 MiB files measured).
-LAND_MIN = 8 << 20
 FAILED_MAX = 4096
 
 
@@ -261,11 +257,11 @@ class PodFiles:
             done.set()
 
     def _land(self, ino: int, got: PodFile) -> bool:
-        """A big fetched file without holes into its DRAM file at once: one copy, one
-        commit (the store's direct-write path); False if it is small or the store wants
-        the ordinary path."""
+        """A fetched file without holes into its DRAM file at once: one copy, one commit
+        (the store's direct-write path), sealed in it; False if it has holes or the store
+        wants the ordinary path."""
         whole = got.whole
-        if whole is None or len(whole) < LAND_MIN:
+        if whole is None:
             return False
         plan = self.store.plan_write(ino, 0, len(whole))
         if plan is None:
@@ -278,7 +274,9 @@ class PodFiles:
         except BaseException:
             self.store.abort_write(plan)
             raise
-        self.store.finish_write(plan, None)
+        # Sealed with the records' checksums, which decode_data checked these very bytes
+        # against: the seal after has nothing to hash.
+        self.store.finish_write(plan, None, got.checksums)
         return True
 
     def _failed_before(self, head: PodHead) -> bool:

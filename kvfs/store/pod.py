@@ -115,11 +115,13 @@ class PodHead:
 @dataclass
 class PodFile:
     """A fetched file: its head and each present chunk's raw bytes, checked (views of
-    one buffer that holds each chunk at its offset in the file)."""
+    one buffer that holds each chunk at its offset in the file), with their xxh3 (the
+    records' checksums, which those very bytes matched)."""
 
     head: PodHead
     chunks: dict[int, memoryview]
     buf: memoryview  # the file's bytes at their offsets (where chunks are)
+    checksums: dict[int, int] = field(default_factory=dict)
 
     @property
     def whole(self) -> memoryview | None:
@@ -200,20 +202,24 @@ def decode_data(head: PodHead, data: bytes | memoryview, codec: Codec,
     if len(out) < head.size:
         raise ValueError(f"a buffer of {len(out)} bytes for a file of {head.size}")
     entries = head.entries
+    got = PodFile(head, {}, out)
     if pool is None or len(entries) < 2 or len(mv) < PARALLEL_DECODE_BYTES:
-        return PodFile(head, _decode_records(head, mv, entries, codec, out), out)
+        _decode_records(mv, entries, codec, got)
+        return got
     half = len(entries) // 2
-    other = pool.submit(_decode_records, head, mv, entries[half:], codec, out)
+    other = pool.submit(_decode_records, mv, entries[half:], codec, got)
     try:
-        chunks = _decode_records(head, mv, entries[:half], codec, out)
+        _decode_records(mv, entries[:half], codec, got)
     finally:
-        rest = other.result()  # (waited for even on an error: it writes into out)
-    return PodFile(head, chunks | rest, out)
+        other.result()  # (waited for even on an error: it writes into out)
+    return got
 
 
-def _decode_records(head: PodHead, mv: memoryview, entries: Sequence[tuple[int, int, int]],
-                    codec: Codec, out: memoryview) -> dict[int, memoryview]:
-    chunks: dict[int, memoryview] = {}
+def _decode_records(mv: memoryview, entries: Sequence[tuple[int, int, int]], codec: Codec,
+                    got: PodFile) -> None:
+    """Decode and check *entries* into got.buf, adding them to got.chunks and
+    got.checksums (two threads may fill one PodFile: each its own chunks)."""
+    head, out = got.head, got.buf
     cs = head.chunk_size
     for c, off, length in entries:
         rec = mv[off:off + length]
@@ -231,8 +237,8 @@ def _decode_records(head: PodHead, mv: memoryview, entries: Sequence[tuple[int, 
             raise PodObjectError(f"pod data of {head.path!r}, chunk {c}: {e}") from None
         if hash_bytes(raw) != h.checksum:
             raise PodObjectError(f"pod data of {head.path!r}, chunk {c}: checksum mismatch")
-        chunks[c] = raw
-    return chunks
+        got.chunks[c] = raw
+        got.checksums[c] = h.checksum
 
 
 def records_of(data: bytes, chunk_size: int, codec: Codec,
