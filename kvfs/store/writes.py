@@ -147,7 +147,8 @@ class Writes:
         in place (it is in DRAM and the write starts within or right after its bytes: the
         next request of a stream). Its bytes go to the same offsets of the inode's DRAM file
         (`write_fd`). The caller copies the data and then calls finish_write or abort_write,
-        with no await in between."""
+        with no await in between (the shim); a pod fetch awaits, on a file nothing else
+        changes meanwhile (kvfs/podfiles.py, `_fetch_into_dram`)."""
         cs = self.cs
         pieces: list[tuple[int, int, int, Loc | None]] = []  # chunk, start, stop, location
         growth = dram_growth = 0
