@@ -13,7 +13,8 @@ room never calls back.
 - Lookups of names not in a directory (`lookup`): on a pod hit the file appears, its inode
   flagged REMOTE (its size, mode and mtime from the head, no chunks). Its first open fetches
   it whole (`fetch`), every record checked, and writes it into the store as if written here
-  (without holes: in one copy and one commit, `_land`);
+  (without holes: decoded straight into its DRAM file and sealed in one commit,
+  `_fetch_into_dram`);
   a failed fetch (gone, damaged, too slow) is a miss: the name goes and the open answers
   ENOENT. Per file, not per chunk.
 - A file fetched from the pod (`imported`, in memory) follows later versions while nobody
@@ -24,7 +25,6 @@ room never calls back.
 from __future__ import annotations
 
 import logging
-import os
 import stat
 import time
 from collections.abc import Awaitable, Callable
@@ -35,7 +35,8 @@ from kvfs.namespace import REMOTE, ROOT_INODE, Inode, Namespace
 from kvfs.store.chunkstore import ChunkStore
 from kvfs.store.location import LOST, TAIL_LOST
 from kvfs.store.nvme import HEADER_SIZE
-from kvfs.store.pod import Pod, PodFile, PodHead, record_of
+from kvfs.store.pod import Landing, Pod, PodHead, record_of
+from kvfs.store.writes import WritePlan
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +51,6 @@ DEPTH_MAX = 64
 # failed otherwise, gone or too slow or a dead member's, for the pod's miss_ttl); at most
 # FAILED_MAX of them: lookups do not bring back at once what the open could not give.
 DAMAGED_TTL_S = 10.0
-# Fetched files at least this big go into the store in one copy and one commit (`_land`);
-# smaller ones chunk by chunk, each whole chunk sealed as it is written (then the close's
-# seal has nothing left to hash: faster for a few chunks, 4 MiB files measured).
-LAND_MIN = 8 << 20
 FAILED_MAX = 4096
 
 
@@ -232,54 +229,79 @@ class PodFiles:
         done = self._fetching[ino] = trio.Event()
         try:
             damaged = self.pod.counters.damaged
-            async with self.pod.fetched(head) as got:
-                if got is None:
-                    self.remote.pop(ino, None)
-                    ttl = (DAMAGED_TTL_S if self.pod.counters.damaged > damaged
-                           else self.pod.miss_ttl)
-                    self._failed.pop(head.path, None)
-                    self._failed[head.path] = (head.version, time.monotonic() + ttl)
-                    while len(self._failed) > FAILED_MAX:
-                        del self._failed[next(iter(self._failed))]
-                    return False
-                if not self._land(ino, got):
-                    cs = head.chunk_size
-                    for c, raw in sorted(got.chunks.items()):
-                        pos = 0
-                        while pos < len(raw):  # (a short write: what failed is raised next)
-                            pos += await self.store.write(ino, c * cs + pos, raw[pos:])
-                chunks = len(got.chunks)
+            plan = self._plan_landing(ino, head)
+            if plan is None:
+                got = await self._fetch_and_write(ino, head)
+            else:
+                got = await self._fetch_into_dram(plan, head)
+            if got is None:
+                self.remote.pop(ino, None)
+                ttl = (DAMAGED_TTL_S if self.pod.counters.damaged > damaged
+                       else self.pod.miss_ttl)
+                self._failed.pop(head.path, None)
+                self._failed[head.path] = (head.version, time.monotonic() + ttl)
+                while len(self._failed) > FAILED_MAX:
+                    del self._failed[next(iter(self._failed))]
+                return False
             await self.store.seal(ino, head.size)
             node.flags &= ~REMOTE
             self.ns.save(node)
             self.remote.pop(ino, None)
             self.imported[ino] = (head.version, node.mtime_ns)
-            self.chunks_from_pod += chunks
+            self.chunks_from_pod += got
             return True
         finally:
             del self._fetching[ino]
             done.set()
 
-    def _land(self, ino: int, got: PodFile) -> bool:
-        """A big fetched file without holes into its DRAM file at once: one copy, one
-        commit (the store's direct-write path); False if it is small or the store wants
-        the ordinary path."""
-        whole = got.whole
-        if whole is None or len(whole) < LAND_MIN:
-            return False
-        plan = self.store.plan_write(ino, 0, len(whole))
-        if plan is None:
-            return False
-        fd = self.store.write_fd(plan)
-        pos = 0
+    def _plan_landing(self, ino: int, head: PodHead) -> WritePlan | None:
+        """The store's direct write of a whole fetched file whose head lists every chunk
+        (no hole), or None: it has holes, or the store wants the ordinary path."""
+        n = -(-head.size // head.chunk_size)
+        if not n or [c for c, _, _ in head.entries] != list(range(n)):
+            return None
+        return self.store.plan_write(ino, 0, head.size)
+
+    async def _fetch_into_dram(self, plan: WritePlan, head: PodHead) -> int | None:
+        """Fetch *head*'s file straight into its planned DRAM regions: the decoding threads
+        write each chunk there from their own buffers, and one commit seals them with the
+        checksums of the bytes written (nothing is hashed twice). The chunks fetched, or
+        None (a miss; the regions given back). The fetch awaits between plan_write and
+        finish_write, which the shim never does: nothing else changes a REMOTE file's
+        chunks meanwhile (its opens and truncations wait for this fetch, an unlink for
+        the open that runs it; nothing else writes it), and finish_write checks that its
+        chunks are as planned. The room plan_write found is not held meanwhile: another
+        writer may take it too (DRAM over its size by at most this file)."""
+        held = self.store.dram.hold(plan.ino)
+        landing = Landing(held.fd)
         try:
-            while pos < len(whole):
-                pos += os.pwrite(fd, whole[pos:], pos)
+            async with self.pod.fetched(head, landing) as got:
+                pass
         except BaseException:
+            landing.cancel()
             self.store.abort_write(plan)
             raise
-        self.store.finish_write(plan, None)
-        return True
+        finally:
+            self.store.dram.drop(held)
+        if got is None:
+            landing.cancel()  # (a fetch abandoned on its timeout may still be decoding)
+            self.store.abort_write(plan)
+            return None
+        self.store.finish_write(plan, None, got.checksums)
+        return len(got.checksums)
+
+    async def _fetch_and_write(self, ino: int, head: PodHead) -> int | None:
+        """Fetch *head*'s file and write it through the store chunk by chunk (a file with
+        holes, or one the direct path does not take). The chunks fetched, or None."""
+        async with self.pod.fetched(head) as got:
+            if got is None:
+                return None
+            cs = head.chunk_size
+            for c, raw in sorted(got.chunks.items()):
+                pos = 0
+                while pos < len(raw):  # (a short write: what failed is raised next)
+                    pos += await self.store.write(ino, c * cs + pos, raw[pos:])
+            return len(got.chunks)
 
     def _failed_before(self, head: PodHead) -> bool:
         failed = self._failed.get(head.path)

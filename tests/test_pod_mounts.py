@@ -152,7 +152,14 @@ def test_a_file_written_on_one_mount_is_read_on_the_others(pod) -> None:
         assert (m.path / "blocks" / "k1.bin").read_bytes() == data
         assert (m.path / "sparse.bin").read_bytes() == sparse
         assert "pod" not in m.tiers("blocks/k1.bin")
+        # sealed with the records' checksums: a write-back checks the DRAM bytes against them
+        fd = os.open(m.path / "blocks" / "k1.bin", os.O_RDWR)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         st = m.status()
+        assert st["reads"]["checksum_errors"] == 0
         assert st["reads"]["chunks_from_pod"] == 6 + 2
         assert st["pod"]["hits"] >= 2 and st["pod"]["damaged"] == 0
     until(lambda: b.status()["pod"]["members"] == 3, "the master counts 3 members")

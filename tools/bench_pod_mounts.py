@@ -6,7 +6,8 @@ pod. One run, one master and three kvfs daemons on loopback, all stopped at the 
     python tools/bench_pod_mounts.py [--sizes 4M,32M] [--reps 3] [--lookups 2000]
 
 Needs the `pod` extra and /dev/fuse. Throughput is of the file's bytes, from B's open to the
-end of its last read (after A published it).
+end of its last read (after A published it); B's open (its lookup and the fetch) and its
+read are also shown apart.
 """
 
 from __future__ import annotations
@@ -54,12 +55,14 @@ def status(mnt: Path) -> dict:
     return json.loads(os.getxattr(mnt, "user.kvfs.status"))
 
 
-def a_to_b(a: Path, b: Path, sizes: list[int], reps: int) -> dict[int, float]:
-    """Bytes/s of B's open + read of a file A wrote (median of reps)."""
+def a_to_b(a: Path, b: Path, sizes: list[int], reps: int
+           ) -> dict[int, tuple[float, float, float]]:
+    """Bytes/s of B's open + read of a file A wrote, and the seconds of its open (the
+    lookup and the fetch) and of its read (medians of reps)."""
     out = {}
     for size in sizes:
         data = kv_bytes(size)
-        times = []
+        times, opens, reads = [], [], []
         for r in range(reps):
             name = f"f{size}-{r}.bin"
             done = status(a)["pod"]["published_files"]
@@ -71,11 +74,16 @@ def a_to_b(a: Path, b: Path, sizes: list[int], reps: int) -> dict[int, float]:
                 time.sleep(0.01)
             t0 = time.perf_counter()
             with open(b / name, "rb") as f:
+                t1 = time.perf_counter()
                 got = f.read()
-            times.append(time.perf_counter() - t0)
+            t2 = time.perf_counter()
+            times.append(t2 - t0)
+            opens.append(t1 - t0)
+            reads.append(t2 - t1)
             if got != data:
                 raise SystemExit(f"B read other bytes of {name}")
-        out[size] = size / statistics.median(times)
+        out[size] = (size / statistics.median(times), statistics.median(opens),
+                     statistics.median(reads))
     return out
 
 
@@ -124,10 +132,12 @@ def main() -> None:
             subprocess.run(["rm", "-rf", f"/dev/shm/benchpod-{base.name}-{name}"])
         subprocess.run(["rm", "-rf", str(base)])
     mib = 1 << 20
-    print(f"{'size':>8} {'get_into MiB/s':>15} {'A->B read MiB/s':>16} {'ratio':>6}")
+    print(f"{'size':>8} {'get_into MiB/s':>15} {'A->B read MiB/s':>16} {'ratio':>6} "
+          f"{'B open ms':>10} {'B read ms':>10}")
     for size in sizes:
-        print(f"{format_size(size):>8} {raw[size][1] / mib:15.0f} {got[size] / mib:16.0f} "
-              f"{got[size] / raw[size][1]:6.2f}")
+        rate, opened, read = got[size]
+        print(f"{format_size(size):>8} {raw[size][1] / mib:15.0f} {rate / mib:16.0f} "
+              f"{rate / raw[size][1]:6.2f} {opened * 1e3:10.1f} {read * 1e3:10.1f}")
     print(f"negative lookups ({args.lookups} stat of absent names): pod p50 {neg_pod[0]:.0f} us"
           f" p99 {neg_pod[1]:.0f} us; no pod p50 {neg_plain[0]:.0f} us p99 {neg_plain[1]:.0f} us"
           f"; p50 ratio {neg_pod[0] / neg_plain[0]:.2f}")

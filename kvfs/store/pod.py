@@ -20,7 +20,8 @@ master holds a call ~4 s in Mooncake 0.3.13.post1), calls on that lane miss at o
 of queueing. Publishing goes through a queue with a byte cap, never waits for the pod:
 what does not fit is dropped and counted; a file whose put failed (the pod is away) is
 kept by its caller's tag (`unpublished`) for when a probe put works again. Fetched files
-are decoded into one landing buffer, in two threads. docs/DESIGN.md, Pod tier.
+are decoded in two threads, into one landing buffer or, chunk by chunk, straight into the
+caller's file (`Landing`). docs/DESIGN.md, Pod tier.
 """
 
 from __future__ import annotations
@@ -115,11 +116,16 @@ class PodHead:
 @dataclass
 class PodFile:
     """A fetched file: its head and each present chunk's raw bytes, checked (views of
-    one buffer that holds each chunk at its offset in the file)."""
+    one buffer that holds each chunk at its offset in the file), with their xxh3 (the
+    records' checksums, which those very bytes matched)."""
 
     head: PodHead
     chunks: dict[int, memoryview]
     buf: memoryview  # the file's bytes at their offsets (where chunks are)
+    checksums: dict[int, int] = field(default_factory=dict)
+    # Where the chunks went instead (then `chunks` and `buf` are empty, and `checksums`
+    # are of the bytes written there)
+    landing: Landing | None = None
 
     @property
     def whole(self) -> memoryview | None:
@@ -182,39 +188,78 @@ def decode_head(buf: bytes | memoryview, path: str) -> PodHead:
     return PodHead(path, member, file_version, mode, size, mtime_ns, chunk_size, entries)
 
 
+class LandingCancelled(Exception):
+    """A fetch's landing was given up (its caller stopped waiting)."""
+
+
+class Landing:
+    """A file descriptor (a DRAM file) a fetch writes each decoded chunk into at its
+    offset, from the threads that decode them, until `cancel`: a fetch abandoned on its
+    timeout writes nothing after its caller gave the regions back."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._lock = threading.Lock()
+        self._cancelled = False
+
+    def write(self, off: int, view: memoryview) -> None:
+        with self._lock:
+            if self._cancelled:
+                raise LandingCancelled(f"a landing at {off} given up")
+            pos = 0
+            while pos < len(view):
+                pos += os.pwrite(self.fd, view[pos:], off + pos)
+
+    def cancel(self) -> None:
+        """No write after this returns (one under way is waited for)."""
+        with self._lock:
+            self._cancelled = True
+
+
 def decode_data(head: PodHead, data: bytes | memoryview, codec: Codec,
                 out: memoryview | None = None,
-                pool: concurrent.futures.Executor | None = None) -> PodFile:
+                pool: concurrent.futures.Executor | None = None,
+                landing: Landing | None = None) -> PodFile:
     """Check and decode a data object against its head: every record's header check, its
     chunk number and lengths, its payload decoded and hashed against the record's checksum.
     PodObjectError on the first thing that does not match (never partly wrong bytes).
     Chunks are decoded into *out* (at least head.size bytes; a new buffer if None), at
-    their offsets in the file; with *pool*, for a big object, half of them in its thread
-    meanwhile (decode and hash run without the GIL)."""
+    their offsets in the file; with *landing*, each into a buffer of its thread instead
+    (reused, so still in cache), checked there and written from there to the landing (a
+    chunk that ends short of the next one or of the file's end padded with its zeros:
+    its checksum is then of them too). With *pool*, for a big object, half of them in its
+    thread meanwhile (decode, hash and write run without the GIL)."""
     mv = memoryview(data)
     if len(mv) != head.data_len:
         raise PodObjectError(f"pod data of {head.path!r}: {len(mv)} bytes, head says "
                              f"{head.data_len}")
-    if out is None:
+    if landing is not None:
+        out = memoryview(b"")
+    elif out is None:
         out = memoryview(bytearray(head.size))
-    if len(out) < head.size:
+    if landing is None and len(out) < head.size:
         raise ValueError(f"a buffer of {len(out)} bytes for a file of {head.size}")
     entries = head.entries
+    got = PodFile(head, {}, out, landing=landing)
     if pool is None or len(entries) < 2 or len(mv) < PARALLEL_DECODE_BYTES:
-        return PodFile(head, _decode_records(head, mv, entries, codec, out), out)
+        _decode_records(mv, entries, codec, got)
+        return got
     half = len(entries) // 2
-    other = pool.submit(_decode_records, head, mv, entries[half:], codec, out)
+    other = pool.submit(_decode_records, mv, entries[half:], codec, got)
     try:
-        chunks = _decode_records(head, mv, entries[:half], codec, out)
+        _decode_records(mv, entries[:half], codec, got)
     finally:
-        rest = other.result()  # (waited for even on an error: it writes into out)
-    return PodFile(head, chunks | rest, out)
+        other.result()  # (waited for even on an error: it writes into out)
+    return got
 
 
-def _decode_records(head: PodHead, mv: memoryview, entries: Sequence[tuple[int, int, int]],
-                    codec: Codec, out: memoryview) -> dict[int, memoryview]:
-    chunks: dict[int, memoryview] = {}
+def _decode_records(mv: memoryview, entries: Sequence[tuple[int, int, int]], codec: Codec,
+                    got: PodFile) -> None:
+    """Decode and check *entries* into got.buf, adding them to got.chunks and
+    got.checksums (two threads may fill one PodFile: each its own chunks)."""
+    head, out, landing = got.head, got.buf, got.landing
     cs = head.chunk_size
+    scratch = _scratch(cs) if landing is not None else out
     for c, off, length in entries:
         rec = mv[off:off + length]
         try:
@@ -224,15 +269,35 @@ def _decode_records(head: PodHead, mv: memoryview, entries: Sequence[tuple[int, 
         if (h.chunk != c or HEADER_SIZE + h.stored_len != length or h.raw_len > cs
                 or c * cs + h.raw_len > head.size):
             raise PodObjectError(f"pod data of {head.path!r}, chunk {c}: record does not fit")
-        raw = out[c * cs:c * cs + h.raw_len]
+        raw = scratch[:h.raw_len] if landing is not None else out[c * cs:c * cs + h.raw_len]
         try:
             codec.decode_into(h.codec, rec[HEADER_SIZE:], h.raw_len, raw)
         except CodecError as e:
             raise PodObjectError(f"pod data of {head.path!r}, chunk {c}: {e}") from None
         if hash_bytes(raw) != h.checksum:
             raise PodObjectError(f"pod data of {head.path!r}, chunk {c}: checksum mismatch")
-        chunks[c] = raw
-    return chunks
+        if landing is None:
+            got.chunks[c] = raw
+            got.checksums[c] = h.checksum
+            continue
+        extent = min(cs, head.size - c * cs)
+        checksum = h.checksum
+        if h.raw_len < extent:  # its last bytes are zeros (not stored)
+            scratch[h.raw_len:extent] = bytes(extent - h.raw_len)
+            checksum = hash_bytes(scratch[:extent])
+        landing.write(c * cs, scratch[:extent])
+        got.checksums[c] = checksum
+
+
+_scratches = threading.local()
+
+
+def _scratch(size: int) -> memoryview:
+    """This thread's decode buffer of at least *size* bytes (kept: it stays in cache)."""
+    buf = getattr(_scratches, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _scratches.buf = memoryview(bytearray(size))
+    return buf
 
 
 def records_of(data: bytes, chunk_size: int, codec: Codec,
@@ -710,38 +775,42 @@ class Pod:
     # -- fetches ------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def fetched(self, head: PodHead) -> AsyncIterator[PodFile | None]:
+    async def fetched(self, head: PodHead, landing: Landing | None = None
+                      ) -> AsyncIterator[PodFile | None]:
         """The file *head* names, every record checked, or None (a miss: gone, damaged,
         too slow, no pod). Its chunks are views of a buffer the next fetch reuses: valid
-        inside the `async with` only (fetches take turns)."""
+        inside the `async with` only (fetches take turns). With *landing*, they are
+        written there instead (see decode_data); after a miss the caller cancels it."""
         async with self._landing:
-            yield await self._fetch(head)
+            yield await self._fetch(head, landing)
 
-    async def _fetch(self, head: PodHead) -> PodFile | None:
+    async def _fetch(self, head: PodHead, landing: Landing | None) -> PodFile | None:
         if self._client is None or head.data_len > self.max_object:
             return None
         if not head.entries:
-            return PodFile(head, {}, memoryview(b""))
+            return PodFile(head, {}, memoryview(b""), landing=landing)
         timeout = self.timeout + head.data_len / FETCH_FLOOR_BPS
-        got = await self._call(self._fetch_lane, timeout, self._get_data, head)
+        got = await self._call(self._fetch_lane, timeout, self._get_data, head, landing)
         if got is None:
             self.forget(head.path)
         return got
 
-    def _get_data(self, head: PodHead) -> PodFile | None:
+    def _get_data(self, head: PodHead, landing: Landing | None) -> PodFile | None:
         """Worker thread: get_into our buffer, then check and decode from there into the
-        landing buffer, in two threads."""
+        landing buffer (or *landing*), in two threads."""
         n = head.data_len
         rc = self._client.get_into(self.data_key(head), self._fetch_buf.addr, n)
         if rc != n:
             if rc != OBJECT_NOT_FOUND:
                 self._count("errors")
             return None
-        if head.size > self._land_buf.size:  # (another member's file, over our max_object)
-            self._land_buf = _Buffer(head.size)
+        if landing is None and head.size > self._land_buf.size:  # (another member's file,
+            self._land_buf = _Buffer(head.size)                   # over our max_object)
         try:
             got = decode_data(head, memoryview(self._fetch_buf.mem)[:n], self.codec,
-                              memoryview(self._land_buf.mem), self._decoder)
+                              memoryview(self._land_buf.mem), self._decoder, landing)
+        except LandingCancelled:
+            return None  # (its caller gave up on it already)
         except PodObjectError as e:
             self._count("damaged")
             log.warning("pod: %s", e)

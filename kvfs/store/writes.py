@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -147,7 +147,8 @@ class Writes:
         in place (it is in DRAM and the write starts within or right after its bytes: the
         next request of a stream). Its bytes go to the same offsets of the inode's DRAM file
         (`write_fd`). The caller copies the data and then calls finish_write or abort_write,
-        with no await in between."""
+        with no await in between (the shim); a pod fetch awaits, on a file nothing else
+        changes meanwhile (kvfs/podfiles.py, `_fetch_into_dram`)."""
         cs = self.cs
         pieces: list[tuple[int, int, int, Loc | None]] = []  # chunk, start, stop, location
         growth = dram_growth = 0
@@ -195,21 +196,38 @@ class Writes:
         """The file descriptor a planned write's bytes go to, at their own file offsets."""
         return self.dram.fd(plan.ino)
 
-    def finish_write(self, plan: WritePlan, on_commit: Callable[[int], None] | None) -> None:
+    def finish_write(self, plan: WritePlan, on_commit: Callable[[int], None] | None,
+                     checksums: Mapping[int, int] | None = None) -> None:
         """The planned bytes are in their regions: commit them (one transaction, in which
-        *on_commit(end)* runs, *end* being where they end)."""
+        *on_commit(end)* runs, *end* being where they end). *checksums* (chunk -> xxh3)
+        vouches for the bytes of chunks this write holds whole (from 0 to their new
+        length): the caller hashed exactly the bytes it copied there (a pod fetch checked
+        them against their records), so they are sealed in this commit and not hashed
+        again."""
         if any(self.chunks.get(plan.ino, c) != loc for c, _, _, loc in plan.pieces):
             self.abort_write(plan)  # cannot happen: nothing runs between plan and finish
             raise RuntimeError(f"inode {plan.ino}: chunks changed during a write")
+        news, sealed = [], []
+        for c, start, stop, loc in plan.pieces:
+            in_place = loc is not None and loc.dram_slot >= 0
+            length = max(loc.raw_len, stop) if in_place else stop
+            new = self._dram_loc(length)
+            if checksums is not None and c in checksums:
+                if start or length != stop:
+                    self.abort_write(plan)
+                    raise ValueError(f"inode {plan.ino} chunk {c}: a checksum for a chunk "
+                                     f"the write does not hold whole")
+                new = new._replace(flags=SEALED, checksum=checksums[c])
+                sealed.append((c, new))
+            news.append((c, loc, new))
         with self.meta.write() as txn:
-            for c, _start, stop, loc in plan.pieces:
-                in_place = loc is not None and loc.dram_slot >= 0
-                length = max(loc.raw_len, stop) if in_place else stop
-                self.chunks.replace(txn, plan.ino, c, loc, self._dram_loc(length),
-                                    kept=self._extent(plan.ino, c))
+            for c, loc, new in news:
+                self.chunks.replace(txn, plan.ino, c, loc, new, kept=self._extent(plan.ino, c))
             if on_commit is not None:
                 c, _, stop, _ = plan.pieces[-1]
                 on_commit(c * self.cs + stop)
+        for c, new in sealed:
+            self.store.mark_checked(plan.ino, c, new)  # hashed from the bytes copied there
         self.counters.direct_writes += 1
         if self.store.dram_load > self.store.high_water:
             self.store.events.dram_filling()

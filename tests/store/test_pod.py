@@ -21,7 +21,10 @@ import pytest
 
 from kvfs.config import ConfigError, Settings, apply_options
 from kvfs.store.codec import Codec
+from kvfs.store.location import hash_bytes
 from kvfs.store.pod import (
+    Landing,
+    LandingCancelled,
     PodHead,
     PodObjectError,
     decode_data,
@@ -72,6 +75,31 @@ def test_a_head_and_its_data_decode_to_the_file() -> None:
     assert got == head
     assert decode_data(got, blob, Codec()).data() == data
     assert len(blob) < len(data)  # the records are the encoded ones
+
+
+def test_data_decoded_into_a_landing_is_the_file_with_the_checksums_of_its_bytes(
+        tmp_path) -> None:
+    # chunk 0 stored short of the chunk size (its tail zeros: a sparse write), the last
+    # chunk short of the chunk size (the file's end)
+    data = b"x" * 1000 + bytes(CHUNK - 1000) + kv_bytes(CHUNK + 777, 4)
+    head, _ = published(data)
+    records = records_of(b"x" * 1000, CHUNK, Codec()) + records_of(data, CHUNK, Codec())[1:]
+    entries, off = [], 0
+    for c, rec in records:
+        entries.append((c, off, len(rec)))
+        off += len(rec)
+    head = dataclasses.replace(head, entries=tuple(entries))
+    blob = b"".join(rec for _, rec in records)
+    with open(tmp_path / "dram", "w+b") as f:
+        got = decode_data(head, blob, Codec(), landing=Landing(f.fileno()))
+        assert f.read() == data
+    assert not got.chunks
+    assert got.checksums == {c: hash_bytes(data[c * CHUNK:(c + 1) * CHUNK]) for c in (0, 1, 2)}
+    cancelled = Landing(os.open(tmp_path / "dram", os.O_RDWR))
+    cancelled.cancel()
+    with pytest.raises(LandingCancelled):
+        decode_data(head, blob, Codec(), landing=cancelled)
+    os.close(cancelled.fd)
 
 
 def test_a_damaged_head_is_refused() -> None:
