@@ -503,7 +503,7 @@ class Operations(pyfuse3.Operations):
             # gone. As if the unlink had come before the lookup, not an empty file.
             raise pyfuse3.FUSEError(errno.ENOENT)
         if flags & os.O_TRUNC and self.pod is not None and inode in self.pod.remote:
-            self.pod.emptied(node)  # (what the pod has of it would be cut away at once)
+            await self.pod.emptied(node)  # (what the pod has of it would be cut away at once)
         await self._fetched(node)
         if flags & os.O_TRUNC and self.pt.size(node):
             # libfuse negotiates atomic O_TRUNC: the kernel leaves truncation to open().

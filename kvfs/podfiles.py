@@ -312,9 +312,14 @@ class PodFiles:
         del self._failed[head.path]
         return False
 
-    def emptied(self, node: Inode) -> None:
-        """A REMOTE file opened with O_TRUNC: an empty local file, nothing fetched."""
-        self.remote.pop(node.ino, None)
+    async def emptied(self, node: Inode) -> None:
+        """A REMOTE file opened with O_TRUNC: an empty local file, nothing fetched. A fetch
+        another open started goes first (it would commit the pod's bytes into the emptied
+        file); the file is then local, and the open truncates it like any other."""
+        while (busy := self._fetching.get(node.ino)) is not None:
+            await busy.wait()
+        if self.remote.pop(node.ino, None) is None:
+            return
         node.resize(0, holes=False)
         node.flags &= ~REMOTE
         node.mtime_ns = node.ctime_ns = time.time_ns()
