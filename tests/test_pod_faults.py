@@ -13,9 +13,12 @@ Timing bounds here are hang detectors (seconds), not speed goals. docs/DESIGN.md
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -77,3 +80,65 @@ def test_an_unresponsive_master(pod, master) -> None:
         t0 = time.monotonic()
         a.unmount()
         assert time.monotonic() - t0 < 3 * HANG_S
+
+
+class Member:
+    """A bare pod member (tests/store/pod_member.py) in a process of its own: its memory
+    holds replicas, and it can be stopped without stopping a FUSE daemon."""
+
+    def __init__(self, master_address: str, name: str, log: Path) -> None:
+        env = dict(os.environ,
+                   PYTHONPATH=f"{pm.ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        with open(log, "ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(pm.MEMBER), master_address, pm.POD_NAME, name],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, text=True)
+        assert self.answer()["ready"]
+
+    def answer(self) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], pm.WAIT_S)
+        assert ready, "the pod member answered nothing"
+        return json.loads(self.proc.stdout.readline())
+
+    def ask(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.answer()
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def test_an_unresponsive_member_holding_replicas(pod, master, tmp_path) -> None:
+    a, b = pod(2)
+    member = Member(master.address, "w1", tmp_path / "member.log")
+    try:
+        files = {}
+        for i in range(6):  # 2 copies each in 3 members' memory: most have one in w1's
+            files[f"m{i}.bin"] = src = tmp_path / f"m{i}.bin"
+            src.write_bytes(kv_bytes(2 * (64 << 10) + i, 40 + i))
+            assert member.ask(op="publish", path=f"m{i}.bin", src=str(src), version=1)["queued"]
+        local = kv_bytes(70_000, 50)
+        (b.path / "local.bin").write_bytes(local)
+        late = kv_bytes(60_000, 51)
+        with stopped(member.proc):
+            for name, src in files.items():
+                t0 = time.monotonic()
+                got = read_or_none(b.path / name)  # the other copy, or a miss
+                assert time.monotonic() - t0 < HANG_S
+                assert got in (src.read_bytes(), None)
+                assert (b.path / "local.bin").read_bytes() == local
+            (a.path / "late.bin").write_bytes(late)  # published with w1 stopped
+            assert absent(b.path / "nobody.bin") < HANG_S
+        for name, src in files.items():
+            assert until(lambda n=name: read_or_none(b.path / n), f"B reads {name}") == (
+                src.read_bytes())
+        assert until(lambda: read_or_none(b.path / "late.bin"), "B reads late.bin") == late
+    finally:
+        member.close()
