@@ -13,10 +13,13 @@ Timing bounds here are hang detectors (seconds), not speed goals. docs/DESIGN.md
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import select
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -142,3 +145,123 @@ def test_an_unresponsive_member_holding_replicas(pod, master, tmp_path) -> None:
         assert until(lambda: read_or_none(b.path / "late.bin"), "B reads late.bin") == late
     finally:
         member.close()
+
+
+CLONE_NEWNET = 0x40000000
+NETNS = (None if shutil.which("unshare") and shutil.which("ip")
+         else "a partition needs unshare and ip (util-linux, iproute2)")
+
+
+class Netns:
+    """A network namespace of its own (held by a sleeping process) whose loopback the test
+    takes down and up: a partition of everything in it, the host's loopback untouched."""
+
+    def __init__(self) -> None:
+        self.holder = subprocess.Popen(["unshare", "-n", "sleep", "3600"])
+        self.path = f"/proc/{self.holder.pid}/ns/net"
+        until(lambda: os.readlink(self.path) != os.readlink("/proc/self/ns/net"),
+              "unshare made a network namespace")
+        self.link("up")
+
+    def link(self, state: str) -> None:
+        subprocess.run(["nsenter", f"--net={self.path}", "ip", "link", "set", "lo", state],
+                       check=True)
+
+    def enter(self) -> None:
+        """(In a child before exec, or a thread of the test's own: setns is per thread.)"""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns")
+        finally:
+            os.close(fd)
+
+    def call(self, fn):
+        """fn() in a thread inside the namespace."""
+        out: list = []
+
+        def run() -> None:
+            self.enter()
+            out.append(fn())
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        assert out, "the call in the namespace failed"
+        return out[0]
+
+    def close(self) -> None:
+        self.holder.kill()
+        self.holder.wait()
+
+
+class NetnsMaster(pm.Master):
+    """mooncake_master inside *netns* (its ports are the namespace's loopback's)."""
+
+    def __init__(self, log: Path, netns: Netns) -> None:
+        super().__init__(log)
+        self.netns = netns
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=log,
+                                         preexec_fn=self.netns.enter)
+
+        def listens() -> bool:
+            assert self.proc.poll() is None, f"mooncake_master exited: see {self.log}"
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+            except OSError:
+                return False
+            return True
+
+        self.netns.call(lambda: until(listens, "mooncake_master listens"))
+
+
+@pytest.mark.skipif(NETNS is not None, reason=NETNS or "")
+def test_a_partitioned_pod(mount_factory, tmp_path) -> None:
+    """The master and two daemons in a namespace whose loopback goes down: every pod
+    connection is cut (established ones stall, new ones fail) while the mounts serve."""
+    netns = Netns()
+    master_ = NetnsMaster(tmp_path / "master.log", netns)
+    try:
+        master_.start()
+        mounts = []
+        for _ in range(2):
+            m = mount_factory(start=False, pod=master_.address, pod_name=pm.POD_NAME,
+                              pod_segment_size="16M",
+                              pod_metrics=f"127.0.0.1:{master_.metrics_port}")
+            m.start(preexec=netns.enter)
+            assert os.readlink(f"/proc/{m.pid()}/ns/net") == os.readlink(netns.path)
+            mounts.append(m)
+        a, b = mounts
+        data = kv_bytes(100_000, 70)
+        (b.path / "local.bin").write_bytes(data)
+        (a.path / "before.bin").write_bytes(data)
+        assert until(lambda: read_or_none(b.path / "before.bin"), "B reads before.bin") == data
+        netns.link("down")
+        try:
+            for i in range(10):
+                assert absent(b.path / f"absent{i}.bin") < HANG_S
+            assert (b.path / "local.bin").read_bytes() == data
+            assert (b.path / "before.bin").read_bytes() == data
+            assert b.status()["pod"]["timeouts"] + b.status()["pod"]["errors"] > 0
+            during = [kv_bytes(50_000, 80 + i) for i in range(3)]
+            for i, d in enumerate(during):
+                (a.path / f"during{i}.bin").write_bytes(d)
+            assert (a.path / "during0.bin").read_bytes() == during[0]
+        finally:
+            netns.link("up")
+        for i, d in enumerate(during):
+            assert until(lambda i=i: read_or_none(b.path / f"during{i}.bin"),
+                         f"B reads during{i}.bin") == d
+        netns.link("down")
+        try:
+            t0 = time.monotonic()
+            a.unmount()
+            assert time.monotonic() - t0 < 3 * HANG_S
+        finally:
+            netns.link("up")
+    finally:
+        master_.kill()
+        netns.close()
