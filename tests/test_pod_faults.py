@@ -143,6 +143,11 @@ def test_an_unresponsive_member_holding_replicas(pod, master, tmp_path) -> None:
             assert until(lambda n=name: read_or_none(b.path / n), f"B reads {name}") == (
                 src.read_bytes())
         assert until(lambda: read_or_none(b.path / "late.bin"), "B reads late.bin") == late
+        with stopped(member.proc):
+            assert absent(b.path / "nobody2.bin") < HANG_S
+            t0 = time.monotonic()
+            b.unmount()
+            assert time.monotonic() - t0 < 3 * HANG_S
     finally:
         member.close()
 
