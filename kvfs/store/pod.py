@@ -568,7 +568,11 @@ class Pod:
         # Mooncake's close with a dead master retries its segment's unmount for ~11 s, and
         # at times holds the GIL meanwhile: not tried then (the master lets go of this
         # member after its client_ttl, as after a crash).
-        if not await trio.to_thread.run_sync(self._master_listens):
+        # A master that takes connections but does not answer (stopped, overloaded, a
+        # network that drops replies) holds the close as long, GIL and all (~60 s, measured
+        # with a SIGSTOPped master): a bounded call on the lookup lane must answer first.
+        if not (await trio.to_thread.run_sync(self._master_listens)
+                and await self._call(self._lookup_lane, CLOSE_S / 4, self._ask_master, client)):
             log.warning("pod: the master %s does not answer; leaving without telling it",
                         self.master)
             return
@@ -581,6 +585,13 @@ class Pod:
             return
         log.warning("pod: leaving the pod at %s did not finish within %.1f s", self.master,
                     CLOSE_S)
+
+    def _ask_master(self, client: Any) -> bool:
+        """Worker thread: a lookup of a name nobody has (it releases the GIL while it
+        waits), True once the master answered it at all."""
+        client.batch_get_into([f"kvfs/{self.name}/probe/{self.member}"],
+                              [self._head_buf.addr], [HEAD_MAX])
+        return True
 
     def _master_listens(self) -> bool:
         try:
